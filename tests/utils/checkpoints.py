@@ -1,0 +1,82 @@
+"""Tiny random HF checkpoints of every supported architecture, written with
+transformers' `save_pretrained` (safetensors) next to the test tokenizer.
+
+Weights use a large `initializer_range` so next-token distributions are peaked:
+greedy comparisons against transformers are then decided by clear margins rather
+than by float rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from tests.utils.tokenizer import save_tokenizer
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+)
+
+ARCHITECTURES = ("llama", "llama3_tied", "mistral", "granite", "qwen2", "qwen3")
+
+
+def _config(arch: str, vocab_size: int, eos: int):
+    ids = dict(vocab_size=vocab_size, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    if arch == "llama":
+        return LlamaConfig(**_COMMON, **ids)
+    if arch == "llama3_tied":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        return LlamaConfig(**_COMMON, **ids, tie_word_embeddings=True, rope_scaling=rope, rope_theta=500000.0)
+    if arch == "mistral":
+        return MistralConfig(**_COMMON, **ids, sliding_window=None, head_dim=16)
+    if arch == "granite":
+        return GraniteConfig(**_COMMON, **ids, embedding_multiplier=2.0, attention_multiplier=0.2,
+                             residual_multiplier=0.5, logits_scaling=0.5, tie_word_embeddings=True)
+    if arch == "qwen2":
+        return Qwen2Config(**_COMMON, **ids, tie_word_embeddings=False)
+    if arch == "qwen3":
+        return Qwen3Config(**_COMMON, **ids, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(f"unknown test architecture {arch!r}; known: {ARCHITECTURES}")
+
+
+def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Write a tiny random `arch` checkpoint plus the test tokenizer into `path`."""
+    os.makedirs(path, exist_ok=True)
+    tok = save_tokenizer(path)
+    config = _config(arch, len(tok), tok.eos_token_id)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.eos_token_id).save_pretrained(path)
+    return path
+
+
+def load_hf_model(path: str):
+    """The transformers reference model for a checkpoint (fp32, eval mode)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_config(path: str):
+    return AutoConfig.from_pretrained(path)

@@ -1,0 +1,118 @@
+"""Frozen engine configuration.
+
+Each component receives the sub-config it uses. `EngineArgs.create_engine_config`
+(vllm/engine/arg_utils.py) is the only place that builds these from user options;
+after that they never change. Invariants checked here:
+
+- `max_model_len` never exceeds what the model's positions allow unless the user
+  asked for it explicitly.
+- the KV-cache size is not part of the config: it is measured at start-up and
+  handed to the KV-cache manager as `num_blocks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class ModelConfig:
+    """What the model is and how its numbers are stored."""
+
+    model: str  # the name the user gave (path or hub id)
+    model_dir: str  # a local folder with config.json (resolved)
+    tokenizer_dir: str
+    hf_config: Any  # transformers.PretrainedConfig
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    load_format: str = "auto"  # auto | safetensors | pt | dummy
+    served_model_name: str = ""
+    chat_template: Optional[str] = None
+    trust_remote_code: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    @property
+    def head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block geometry, capacity sources and prefix caching."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # Capacity, in order of precedence: explicit block count, explicit bytes,
+    # VLLM_CPU_KVCACHE_SPACE (CPU), gpu_memory_utilization (GPU).
+    num_gpu_blocks_override: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_space_bytes: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token budget and batch limits of one engine step."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA limits. Present only when LoRA is enabled."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    enable_activated_lora: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """CUDA-graph capture of decode batches (GPU only)."""
+
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True, eq=False)
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+    lora_config: Optional[LoRAConfig] = None
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)

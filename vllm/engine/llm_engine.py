@@ -1,0 +1,103 @@
+"""`LLMEngine`: the synchronous engine API (vLLM's): add_request / step / abort.
+
+It ties the processor (validation, tokenisation), the engine core and the output
+processor together, and fans a request with `n > 1` out into n child requests
+(ids `"{i}_{request_id}"`, seeds `seed + i`) whose outputs are merged back into one
+`RequestOutput`. A request is validated completely before any child reaches the
+core, so a rejected request leaves no trace.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.core import EngineCore, EngineStats
+from vllm.engine.detokenizer import IncrementalDetokenizer
+from vllm.engine.output_processor import OutputProcessor, ParentState, SequenceState
+from vllm.engine.processor import Processor
+from vllm.inputs import PromptType
+from vllm.lora.request import LoRARequest
+from vllm.outputs import RequestMetrics, RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.tokenizer import generation_eos_token_ids, get_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, vllm_config: VllmConfig):
+        model_config = vllm_config.model_config
+        self.tokenizer = get_tokenizer(model_config.tokenizer_dir, model_config.trust_remote_code)
+        from vllm.structured_output import StructuredOutputManager
+
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer, model_config.vocab_size)
+        self.engine_core = EngineCore(vllm_config, self.structured_output_manager)
+        self.vllm_config = vllm_config
+        self.model_config = model_config
+        self.processor = Processor(
+            vllm_config,
+            self.tokenizer,
+            generation_eos_token_ids(model_config.model_dir),
+            lora_adapters=self.engine_core.lora_adapters,
+            structured_output_manager=self.structured_output_manager,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, usage: str = "llm") -> "LLMEngine":
+        return cls(engine_args.create_engine_config(usage))
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> ParentState:
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        arrival_time = arrival_time if arrival_time is not None else time.time()
+        text, prompt_ids, salt = self.processor.tokenize_prompt(prompt)
+        children, requests = [], []
+        for i in range(params.n):
+            child_params = params.clone()
+            child_params.n = 1
+            if params.seed is not None:
+                child_params.seed = params.seed + i
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            requests.append(
+                self.processor.make_request(child_id, prompt_ids, child_params, arrival_time, lora_request, salt)
+            )
+            children.append(
+                SequenceState(child_id, i, child_params, IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params))
+            )
+        parent = ParentState(
+            request_id=request_id, prompt=text, prompt_token_ids=prompt_ids, params=params,
+            lora_request=lora_request, children=children, metrics=RequestMetrics(arrival_time=arrival_time),
+        )
+        self.output_processor.add_request(parent)
+        for request in requests:
+            self.engine_core.add_request(request)
+        return parent
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        results, to_abort = self.output_processor.process_outputs(outputs)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        return results
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        return self.engine_core.get_stats()

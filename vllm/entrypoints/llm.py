@@ -1,0 +1,117 @@
+"""`LLM`: the offline API (vLLM's): `generate` and `chat` over a batch of prompts.
+
+Outputs come back in input order. Each call runs the engine until its own requests
+finish; a prompt that fails validation raises ValueError before anything runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine
+from vllm.entrypoints.chat_utils import apply_chat_template, load_chat_template
+from vllm.inputs import PromptType, TokensPrompt
+from vllm.lora.request import LoRARequest
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, tokenizer: Optional[str] = None, **kwargs: Any):
+        if kwargs.pop("tensor_parallel_size", 1) != 1:
+            raise ValueError("tensor_parallel_size must be 1: this engine runs on one device.")
+        if kwargs.get("seed") is None:
+            kwargs.pop("seed", None)  # vLLM's LLM takes seed=None; ours defaults to 0
+        try:
+            engine_args = EngineArgs(model=model, tokenizer=tokenizer, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"Unknown LLM option: {e}") from e
+        self.llm_engine = LLMEngine.from_engine_args(engine_args, usage="llm")
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        loras = self._per_prompt(lora_request, len(prompts), "lora_request")
+        return self._run(prompts, params, loras, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[list[dict], list[list[dict]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict]] = None,
+        documents: Optional[list[dict]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = load_chat_template(chat_template)
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = apply_chat_template(tokenizer, conversation, template, add_generation_prompt,
+                                       continue_final_message, tools, documents, chat_template_kwargs)
+            # The template already placed any special tokens.
+            prompts.append(TokensPrompt(prompt=text, prompt_token_ids=tokenizer.encode(text, add_special_tokens=False)))
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    @staticmethod
+    def _per_prompt(value, n: int, name: str) -> list:
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts.")
+            return list(value)
+        return [value] * n
+
+    def _run(self, prompts, params, loras, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p, lora in zip(prompts, params, loras):
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, p, lora_request=lora)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[Optional[RequestOutput]] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        done = 0
+        try:
+            while done < len(ids):
+                for output in engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        done += 1
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return results

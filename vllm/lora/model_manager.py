@@ -1,0 +1,143 @@
+"""Adapter residency: a host-memory cache of loaded adapters (`max_cpu_loras`, LRU) and
+`max_loras` device slots (LRU) that the model's LoRA layers read.
+
+`LoRAModelManager` wraps every adaptable linear layer of the model in
+`LinearWithLoRA` at start-up. Each step, `activate` makes the step's adapters
+resident (loading into free or least-recently-used slots that the step does not
+need) and returns lora_int_id -> slot. The scheduler guarantees at most `max_loras`
+distinct adapters per step, so a slot is always available.
+
+`AdapterCache` is also what the input processor uses to validate an adapter and read
+its invocation tokens, so a bad adapter is rejected before it reaches the engine
+loop. It is thread-safe: the server validates on its own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+from torch import nn
+
+from vllm.config import LoRAConfig
+from vllm.logger import init_logger
+from vllm.lora.layers import LinearWithLoRA
+from vllm.lora.lora_model import LoRAModel, ModuleSpec, load_lora_model
+from vllm.lora.peft_helper import PEFTHelper
+from vllm.lora.punica import PunicaWrapper
+from vllm.lora.request import LoRARequest
+
+logger = init_logger(__name__)
+
+_DEFAULT_SLICES = {"o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+
+
+class AdapterCache:
+    def __init__(self, lora_config: LoRAConfig, specs: dict[str, ModuleSpec], dtype: torch.dtype, tokenizer_dir: str):
+        self.config = lora_config
+        self.specs = specs
+        self.dtype = dtype
+        self.tokenizer_dir = tokenizer_dir
+        self._tokenizer = None
+        self._cache: OrderedDict[int, LoRAModel] = OrderedDict()
+        self._paths: dict[int, tuple[str, str]] = {}
+        self._lock = threading.Lock()
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            from vllm.tokenizer import get_tokenizer
+
+            self._tokenizer = get_tokenizer(self.tokenizer_dir)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def get(self, request: LoRARequest) -> LoRAModel:
+        """The adapter's host copy, loading (and validating) it on first use."""
+        with self._lock:
+            known = self._paths.get(request.lora_int_id)
+            if known is not None and known != (request.lora_name, request.lora_path):
+                raise ValueError(
+                    f"lora_int_id {request.lora_int_id} already names adapter {known[0]!r} ({known[1]}); "
+                    f"use a different id for {request.lora_name!r}."
+                )
+            model = self._cache.get(request.lora_int_id)
+            if model is not None:
+                self._cache.move_to_end(request.lora_int_id)
+                return model
+            peft = PEFTHelper.from_dir(request.lora_name, request.lora_path, self._tokenize)
+            if peft.r > self.config.max_lora_rank:
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} has rank {peft.r}, greater than "
+                    f"max_lora_rank={self.config.max_lora_rank}; raise --max-lora-rank."
+                )
+            model = load_lora_model(request.lora_int_id, request.lora_name, request.lora_path, peft, self.specs,
+                                    self.config.max_lora_rank, self.dtype)
+            while len(self._cache) >= self.config.max_cpu_loras:
+                self._cache.popitem(last=False)
+            self._cache[request.lora_int_id] = model
+            self._paths[request.lora_int_id] = (request.lora_name, request.lora_path)
+            kind = f"aLoRA (invocation {list(peft.invocation_tokens)})" if peft.is_alora else "LoRA"
+            logger.info("Loaded %s adapter %r (rank %d, %d modules)", kind, request.lora_name, model.rank,
+                        len(model.layers))
+            return model
+
+    def remove(self, lora_int_id: int) -> None:
+        with self._lock:
+            self._cache.pop(lora_int_id, None)
+            self._paths.pop(lora_int_id, None)
+
+
+class LoRAModelManager:
+    def __init__(self, model: nn.Module, lora_config: LoRAConfig, max_num_tokens: int, dtype: torch.dtype,
+                 device: torch.device, tokenizer_dir: str = ""):
+        self.config = lora_config
+        self.punica = PunicaWrapper(max_num_tokens, device)
+        self.layers: dict[str, LinearWithLoRA] = {}
+        specs: dict[str, ModuleSpec] = {}
+        packed = dict(getattr(model, "packed_modules_mapping", {}))
+        for name, module in list(model.named_modules()):
+            leaf = name.rsplit(".", 1)[-1]
+            slices = tuple(packed.get(leaf, ())) or _DEFAULT_SLICES.get(leaf)
+            if slices is None or not hasattr(module, "output_sizes"):
+                continue
+            wrapped = LinearWithLoRA(module, lora_config.max_loras, lora_config.max_lora_rank, self.punica)
+            model.set_submodule(name, wrapped)
+            self.layers[name] = wrapped
+            specs[name] = ModuleSpec(module.input_size, tuple(module.output_sizes), slices)
+        if not self.layers:
+            raise ValueError(f"{type(model).__name__} has no layers LoRA can adapt.")
+        self.adapters = AdapterCache(lora_config, specs, dtype, tokenizer_dir)
+        self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
+
+    def activate(self, lora_requests: list[Optional[LoRARequest]]) -> dict[int, int]:
+        """Make the step's adapters resident; returns lora_int_id -> slot."""
+        needed = {r.lora_int_id: r for r in lora_requests if r is not None}
+        if len(needed) > self.config.max_loras:
+            raise AssertionError(f"{len(needed)} adapters in one step exceed max_loras={self.config.max_loras}")
+        for lora_int_id, request in needed.items():
+            if lora_int_id in self._slots:
+                self._slots.move_to_end(lora_int_id)
+                continue
+            slot = self._free_slot(needed)
+            adapter = self.adapters.get(request)
+            for name, layer in self.layers.items():
+                layer.set_lora(slot, adapter.layers.get(name))
+            self._slots[lora_int_id] = slot
+        return {lora_int_id: self._slots[lora_int_id] for lora_int_id in needed}
+
+    def _free_slot(self, needed: dict) -> int:
+        used = set(self._slots.values())
+        for slot in range(self.config.max_loras):
+            if slot not in used:
+                return slot
+        for lora_int_id, slot in self._slots.items():
+            if lora_int_id not in needed:
+                del self._slots[lora_int_id]
+                return slot
+        raise AssertionError("no LoRA slot can be freed")
+
+    def remove_adapter(self, lora_int_id: int) -> None:
+        """Forget an adapter (runtime unload): its slot and host copy."""
+        self._slots.pop(lora_int_id, None)
+        self.adapters.remove(lora_int_id)

@@ -1,0 +1,39 @@
+"""Torch reference of the multi-LoRA op (the CPU path and the oracle of the Triton
+kernels).
+
+Semantics:
+    for every token t with slot s = token_lora_mapping[t] >= 0, and every slice i:
+        y[t, off_i : off_i + n_i] += (x[t] @ lora_a[i][s].T) @ lora_b[i][s].T
+    rows with slot -1 are not touched (bit-for-bit). `off_i` is the running sum of
+    `output_slices`; the adapter's scaling is already folded into lora_b.
+
+Shapes: x [T, in]; y [T, sum(output_slices)]; lora_a[i] [max_loras, max_rank, in];
+lora_b[i] [max_loras, n_i, max_rank]. Slots an adapter does not target hold zeros.
+Tokens are grouped by slot, so each active adapter costs two matmuls per slice.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from vllm.lora.punica import LoRAKernelMeta
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    output_slices: Sequence[int],
+    meta: LoRAKernelMeta,
+) -> None:
+    for slot, rows in meta.groups:
+        xs = x[: meta.num_tokens] if rows is None else x.index_select(0, rows)
+        deltas = [(xs @ a[slot].T) @ b[slot].T for a, b in zip(lora_a, lora_b)]
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1)  # [n, sum(output_slices)]
+        if rows is None:
+            y[: meta.num_tokens] += delta
+        else:
+            y.index_add_(0, rows, delta)

@@ -1,0 +1,66 @@
+"""KV-cache sizing and allocation.
+
+Capacity, in order of precedence: `num_gpu_blocks_override`, `kv_cache_memory_bytes`,
+then per device: on CPU `VLLM_CPU_KVCACHE_SPACE` GiB, or by default the smaller of
+4 GiB and what `max_num_seqs` sequences of `max_model_len` tokens could ever use; on
+CUDA `gpu_memory_utilization` of the device minus the peak of a profiling forward
+pass. The caches are zero-filled: attention multiplies masked positions by zero
+weights, and uninitialised memory could hold NaNs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from vllm.core.kv_cache_utils import cdiv
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_DEFAULT_CPU_BYTES = 4 << 30
+
+
+def bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
+    element = torch.tensor([], dtype=model_config.dtype).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_size * element
+
+
+def determine_num_blocks(
+    cache_config: CacheConfig,
+    model_config: ModelConfig,
+    scheduler_config: SchedulerConfig,
+    device: torch.device,
+    profile_peak_bytes: Callable[[], int],
+) -> int:
+    """`profile_peak_bytes` runs a worst-case forward pass and returns the peak memory
+    it used (only called on CUDA when no explicit size is given)."""
+    per_block = bytes_per_block(model_config, cache_config.block_size)
+    if cache_config.num_gpu_blocks_override is not None:
+        return cache_config.num_gpu_blocks_override
+    if cache_config.kv_cache_memory_bytes is not None:
+        return _at_least_one(cache_config.kv_cache_memory_bytes // per_block, "kv_cache_memory_bytes")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * cache_config.gpu_memory_utilization) - profile_peak_bytes()
+        logger.info("KV cache gets %.2f GiB (gpu_memory_utilization=%.2f)", budget / 2**30,
+                    cache_config.gpu_memory_utilization)
+        return _at_least_one(budget // per_block, "gpu_memory_utilization")
+    if cache_config.cpu_kvcache_space_bytes is not None:
+        return _at_least_one(cache_config.cpu_kvcache_space_bytes // per_block, "VLLM_CPU_KVCACHE_SPACE")
+    useful = scheduler_config.max_num_seqs * cdiv(scheduler_config.max_model_len, cache_config.block_size)
+    return max(1, min(_DEFAULT_CPU_BYTES // per_block, useful))
+
+
+def _at_least_one(num_blocks: int, source: str) -> int:
+    if num_blocks < 1:
+        raise ValueError(f"No room for a single KV-cache block with the memory given by {source}; increase it.")
+    return int(num_blocks)
+
+
+def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int, device: torch.device) -> list[torch.Tensor]:
+    """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size]."""
+    shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_size)
+    return [torch.zeros(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_layers)]

@@ -1,0 +1,188 @@
+"""`ModelRunner`: runs one scheduled step on the device.
+
+It keeps per-request state between steps (the scheduler sends only changes),
+builds the step's flat inputs and attention metadata, activates the step's
+adapters, runs the model, and samples. Invariants:
+- batch order is decodes (one token) first, as the attention metadata requires;
+- only rows that sample (a request whose computed tokens reach its known tokens) or
+  need prompt logprobs go through the LM head;
+- a seeded request's generator lives until the request finishes, so preemption
+  does not restart its random stream.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from vllm.attention.metadata import AttentionMetadata
+from vllm.config import VllmConfig
+from vllm.core.kv_cache_utils import cdiv
+from vllm.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from vllm.model_executor.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from vllm.model_executor.model_loader import get_model
+from vllm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from vllm.worker.kv_cache import allocate_kv_caches
+from vllm.worker.sampling_inputs import build_sampling_metadata
+
+
+class ModelRunner:
+    def __init__(self, vllm_config: VllmConfig):
+        self.config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.device = vllm_config.device_config.device
+        self.requests: dict[str, CachedRequestState] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.sampler = Sampler()
+        self.model: Optional[torch.nn.Module] = None
+        self.lora_manager = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ set-up
+    def load_model(self) -> None:
+        self.model = get_model(self.model_config, self.device)
+        if self.config.lora_config is not None:
+            from vllm.lora.model_manager import LoRAModelManager
+
+            self.lora_manager = LoRAModelManager(
+                self.model,
+                self.config.lora_config,
+                max_num_tokens=self.config.scheduler_config.max_num_batched_tokens,
+                dtype=self.model_config.dtype,
+                device=self.device,
+                tokenizer_dir=self.model_config.tokenizer_dir,
+            )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """Peak device memory of a forward pass over a full token budget (CUDA only)."""
+        num_tokens = self.config.scheduler_config.max_num_batched_tokens
+        num_blocks = cdiv(num_tokens, self.block_size)
+        caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size, self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        inputs = StepInputs(
+            req_ids=["profile"], input_ids=np.zeros(num_tokens, dtype=np.int64),
+            positions=np.arange(num_tokens) % self.model_config.max_model_len,
+            slot_mapping=np.arange(num_tokens, dtype=np.int64), query_start_loc=np.array([0, num_tokens], dtype=np.int32),
+            seq_lens=np.array([num_tokens], dtype=np.int32), block_table=np.arange(num_blocks, dtype=np.int32)[None],
+            num_decodes=0, token_lora_mapping=None, sample_rows=[0], logits_indices=np.array([num_tokens - 1]),
+            prompt_logprob_spans={},
+        )
+        hidden = self.model(*self._device_inputs(inputs), caches, self._attention_metadata(inputs))
+        self.model.compute_logits(hidden[-256:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    # -------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        # Decodes first (stable, so FCFS order holds within each group).
+        order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in order]
+        lora_slots = None
+        if self.lora_manager is not None:
+            lora_slots = self.lora_manager.activate([s.lora_request for s in states])
+        inputs = build_step_inputs(states, [sched.num_scheduled_tokens[r] for r in order], self.block_size, lora_slots)
+        if self.lora_manager is not None:
+            self.lora_manager.punica.update(inputs.token_lora_mapping)
+
+        input_ids, positions = self._device_inputs(inputs)
+        hidden = self.model(input_ids, positions, self.kv_caches, self._attention_metadata(inputs))
+
+        sampled_lists: list[list[int]] = [[] for _ in states]
+        output = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists)
+        if inputs.sample_rows:
+            self._sample(states, inputs, hidden, sched, output)
+        for i, (start, count) in inputs.prompt_logprob_spans.items():
+            output.prompt_logprobs[states[i].req_id] = self._prompt_logprobs(states[i], hidden[start : start + count])
+        return output
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in sched.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            seed = new.sampling_params.seed
+            if seed is not None and new.req_id not in self.generators:
+                self.generators[new.req_id] = torch.Generator(device=self.device).manual_seed(seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                lora_request=new.lora_request,
+                alora_invocation_start=new.alora_invocation_start,
+                generator=self.generators.get(new.req_id),
+            )
+        for cached in sched.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = torch.from_numpy(inputs.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)
+        return input_ids, positions
+
+    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        query_start_loc = torch.from_numpy(inputs.query_start_loc)
+        seq_lens = torch.from_numpy(inputs.seq_lens)
+        return AttentionMetadata(
+            num_actual_tokens=int(inputs.input_ids.shape[0]),
+            num_decodes=inputs.num_decodes,
+            slot_mapping=to_device(inputs.slot_mapping),
+            query_start_loc=query_start_loc.to(self.device, non_blocking=True),
+            seq_lens=seq_lens.to(self.device, non_blocking=True),
+            block_table=to_device(inputs.block_table),
+            max_query_len=int(np.diff(inputs.query_start_loc).max()),
+            max_seq_len=int(inputs.seq_lens.max()),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+
+    def _sample(self, states, inputs: StepInputs, hidden: torch.Tensor, sched: SchedulerOutput, output) -> None:
+        rows = [states[i] for i in inputs.sample_rows]
+        indices = torch.from_numpy(inputs.logits_indices).to(self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, indices))  # [num_rows, vocab]
+        if sched.grammar_bitmask is not None:
+            from vllm.structured_output import apply_bitmask
+
+            pairs = [(j, sched.grammar_rows[s.req_id]) for j, s in enumerate(rows) if s.req_id in sched.grammar_rows]
+            bitmask = sched.grammar_bitmask[[b for _, b in pairs]].to(self.device)
+            apply_bitmask(logits, bitmask, [j for j, _ in pairs])
+        meta: SamplingMetadata = build_sampling_metadata(rows, self.model_config.vocab_size, self.device)
+        sampled, logprobs = self.sampler(logits, meta)
+        for j, token_id in enumerate(sampled.tolist()):
+            state = rows[j]
+            state.token_ids.append(token_id)
+            output.sampled_token_ids[inputs.sample_rows[j]].append(token_id)
+            if logprobs is not None and state.sampling_params.logprobs is not None:
+                entry = logprobs[j]
+                k = state.sampling_params.logprobs
+                output.logprobs[state.req_id] = [
+                    LogprobsEntry(entry.token_ids[: k + 1], entry.logprobs[: k + 1], entry.rank)
+                ]
+
+    def _prompt_logprobs(self, state: CachedRequestState, hidden: torch.Tensor) -> list[LogprobsEntry]:
+        """Logprobs of prompt tokens p+1 for the positions p computed this step."""
+        first = state.num_computed_tokens
+        targets = torch.tensor(state.token_ids[first + 1 : first + 1 + hidden.shape[0]], device=self.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        return gather_logprobs(logprobs, targets, state.sampling_params.prompt_logprobs)

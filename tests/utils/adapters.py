@@ -1,4 +1,4 @@
-"""LoRA and aLoRA adapters written with PEFT's `save_pretrained`, plus PEFT oracles.
+"""LoRA and aLoRA adapters written with PEFT's `save_pretrained`, and PEFT models as oracles.
 
 `init_lora_weights=False` keeps PEFT from zeroing `lora_B`, so every adapter
 changes the model's output and parity tests are meaningful.
@@ -54,24 +54,3 @@ def make_adapter(
 
 def load_peft_model(base_dir: str, adapter_dir: str) -> PeftModel:
     return PeftModel.from_pretrained(load_hf_model(base_dir), adapter_dir).eval()
-
-
-@torch.no_grad()
-def peft_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs from a PEFT (or plain HF) model, one prompt.
-
-    PEFT computes aLoRA offsets from `input_ids` inside `generate`, so the adapter
-    switches on at the last invocation occurrence exactly as PEFT defines it.
-    """
-    out = model.generate(
-        input_ids=torch.tensor([prompt_ids]),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
-    return tokens, logprobs

@@ -31,14 +31,17 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(model_config.tokenizer_dir, model_config.trust_remote_code)
         from vllm.structured_output import StructuredOutputManager
 
-        self.structured_output_manager = StructuredOutputManager(self.tokenizer, model_config.vocab_size)
+        eos_ids = generation_eos_token_ids(model_config.model_dir)
+        stop_ids = sorted(eos_ids | {self.tokenizer.eos_token_id} - {None})
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer, model_config.vocab_size,
+                                                                 stop_token_ids=stop_ids)
         self.engine_core = EngineCore(vllm_config, self.structured_output_manager)
         self.vllm_config = vllm_config
         self.model_config = model_config
         self.processor = Processor(
             vllm_config,
             self.tokenizer,
-            generation_eos_token_ids(model_config.model_dir),
+            eos_ids,
             lora_adapters=self.engine_core.lora_adapters,
             structured_output_manager=self.structured_output_manager,
         )
@@ -101,3 +104,21 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()
+
+    # ------------------------------------------------------------ adapters
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and validate an adapter now (errors are ValueErrors naming it)."""
+        adapters = self.engine_core.lora_adapters
+        if adapters is None:
+            raise ValueError("LoRA is not enabled; start the engine with enable_lora=True (--enable-lora).")
+        adapters.get(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter. Requests still using it reload it from its path."""
+        manager = self.engine_core.runner.lora_manager
+        if manager is not None:
+            manager.remove_adapter(lora_int_id)
+
+    def is_alora(self, lora_request: LoRARequest) -> bool:
+        adapters = self.engine_core.lora_adapters
+        return adapters is not None and bool(adapters.get(lora_request).invocation_tokens)

@@ -59,6 +59,7 @@ class Sampler:
     def _apply_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if not (meta.banned_tokens or meta.logit_bias or meta.allowed_token_ids):
             return logits
+        original = logits
         logits = logits.clone()
         for row, allowed in meta.allowed_token_ids.items():
             keep = logits[row, allowed].clone()
@@ -69,6 +70,11 @@ class Sampler:
             logits[row, ids] += torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
         for row, banned in meta.banned_tokens.items():
             logits[row, banned] = float("-inf")
+        # A row these masks emptied (e.g. min_tokens banning the only token a grammar
+        # allows) keeps its unmasked logits rather than sampling from nothing.
+        dead = torch.isneginf(logits).all(dim=-1)
+        if bool(dead.any()):
+            logits[dead] = original[dead]
         return logits
 
     @staticmethod

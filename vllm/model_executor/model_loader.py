@@ -1,0 +1,50 @@
+"""`get_model`: build the model for a `ModelConfig` on a device and fill its weights.
+
+Invariants:
+- The model is built directly on `device` in `model_config.dtype` (the checkpoint's
+  `torch_dtype` plays no part); parameters start uninitialised (`torch.empty`).
+- Real weights are streamed from the checkpoint one tensor at a time into those
+  parameters (peak memory: the model plus one tensor).
+- `load_format="dummy"` reads no file: small uniform random values, RMSNorm weights at
+  1.0, seeded by `model_config.seed`. For speed benchmarks of large shapes
+  (e.g. Granite-3.3-8B in bf16) where only the shapes matter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm.config import ModelConfig
+from vllm.model_executor.hf_files import find_weight_files, iterate_weights
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.models import get_model_class
+
+# Small enough that activations stay well inside bf16 range through many layers.
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    model_class = get_model_class(model_config.architecture)
+    model = model_class(model_config.hf_config, model_config.dtype, device)
+    if model_config.load_format == "dummy":
+        initialize_dummy_weights(model, model_config.seed)
+    else:
+        files, fmt = find_weight_files(model_config.model_dir, model_config.load_format)
+        model.load_weights(iterate_weights(files, fmt))
+    return model.eval()
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes, generated on the parameters' own device."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=gen)
+    # Norm weights multiply activations: at 1.0 they keep hidden states at a sane scale.
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)

@@ -1,0 +1,36 @@
+"""Model registry: HF `architectures[0]` name -> model class.
+
+Every class here implements the model API the model runner calls:
+`__init__(hf_config, dtype, device)`, `forward(input_ids, positions, kv_caches,
+attn_metadata) -> [num_tokens, hidden]`, `compute_logits(hidden) -> fp32 logits`,
+`load_weights(iterable of (name, tensor))`, and `packed_modules_mapping`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from vllm.model_executor.models.granite import GraniteForCausalLM
+from vllm.model_executor.models.llama import LlamaForCausalLM, MistralForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"Model architecture {architecture} is not supported. Supported: {', '.join(supported_architectures())}."
+        )
+    return _MODELS[architecture]

@@ -1,0 +1,242 @@
+"""Llama-family decoder (Llama, Mistral), and the parameterised decoder that Granite
+and Qwen reuse.
+
+Every variant is this same network; what differs is captured in `DecoderOptions`
+(biases, per-head q/k norm, attention scale, Granite's multipliers), which each model
+class derives from its HF config in `decoder_options`.
+
+Data layout: the batch is one flat run of tokens (`[num_tokens, hidden]`, no padding
+between sequences); `positions` gives each token's position in its sequence and
+`AttentionMetadata` how tokens map to sequences and KV-cache slots.
+
+Residual stream (vLLM style): each layer returns (hidden, residual) and the next
+RMSNorm does the add, `residual = hidden + residual`, so the sums happen in the same
+order and dtype as HF's `residual + hidden_states`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.attention.layer import Attention
+from vllm.attention.metadata import AttentionMetadata
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
+from vllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from vllm.model_executor.weight_mapping import load_checkpoint_weights
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    attention_scale: Optional[float] = None  # None: head_size ** -0.5
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0  # scales each block's output before the residual add
+    logits_scaling: float = 1.0  # logits are divided by it
+
+
+def head_size_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_no_sliding_window(config: Any) -> None:
+    """Sliding-window attention is not implemented: refuse configs that use it rather
+    than silently attending to the whole context."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    # Qwen2/3 keep `sliding_window` in the config but only "sliding_attention" layers use it.
+    uses_window = layer_types is None or "sliding_attention" in layer_types
+    if window is not None and uses_window and window < config.max_position_embeddings:
+        raise ValueError(
+            f"{config.architectures[0] if getattr(config, 'architectures', None) else 'This model'} uses "
+            f"sliding-window attention (sliding_window={window} < max_position_embeddings="
+            f"{config.max_position_embeddings}), which this engine does not support."
+        )
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"Only the 'silu' activation is supported, the config has {config.hidden_act!r}.")
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(hidden, [inter, inter], options.mlp_bias, dtype, device)
+        self.down_proj = Linear(inter, [hidden], options.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        options: DecoderOptions,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = head_size_of(config)
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.qkv_proj = Linear(hidden, [self.q_size, self.kv_size, self.kv_size], options.qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, [hidden], options.o_bias, dtype, device)
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype, device)
+        self.qk_norm = options.qk_norm
+        self.rotary_emb = rotary_emb  # shared by all layers
+        scale = options.attention_scale if options.attention_scale is not None else self.head_size**-0.5
+        self.attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden_states: torch.Tensor,  # [num_tokens, hidden]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        n = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_size)  # [num_tokens, num_heads, head_size]
+        k = k.view(n, self.num_kv_heads, self.head_size)  # [num_tokens, num_kv_heads, head_size]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.view(n, -1), k.view(n, -1), v, kv_cache, attn_metadata)  # [num_tokens, q_size]
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        options: DecoderOptions,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.residual_multiplier = options.residual_multiplier
+        self.self_attn = LlamaAttention(config, options, rotary_emb, dtype, device)
+        self.mlp = LlamaMLP(config, options, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden_states: torch.Tensor,  # [num_tokens, hidden]
+        residual: Optional[torch.Tensor],  # [num_tokens, hidden]; None for the first layer
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        if self.residual_multiplier != 1.0:
+            hidden_states.mul_(self.residual_multiplier)  # a fresh o_proj output: safe in place
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        if self.residual_multiplier != 1.0:
+            hidden_states.mul_(self.residual_multiplier)
+        return hidden_states, residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.embedding_multiplier = options.embedding_multiplier
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        # One cos/sin cache for all layers: at 128k positions it is tens of MB.
+        rotary_emb = RotaryEmbedding(
+            head_size_of(config), config.max_position_embeddings, rope_parameters(config), dtype, device
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, options, rotary_emb, dtype, device) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # one per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden_states.mul_(self.embedding_multiplier)  # F.embedding returns a fresh tensor
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        check_no_sliding_window(hf_config)
+        self.config = hf_config
+        options = self.decoder_options(hf_config)
+        self.logits_scaling = options.logits_scaling
+        self.model = LlamaModel(hf_config, options, dtype, device)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(
+            hf_config.vocab_size,
+            hf_config.hidden_size,
+            dtype,
+            device,
+            tied_embedding=self.model.embed_tokens if self.tie_word_embeddings else None,
+        )
+
+    @classmethod
+    def decoder_options(cls, config: Any) -> DecoderOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderOptions(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # per layer: [2, num_blocks, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        logits = self.lm_head(hidden_states).float()
+        if self.logits_scaling != 1.0:
+            logits.div_(self.logits_scaling)
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # With tied embeddings the head is the embedding; a stored copy is redundant.
+        ignored = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        load_checkpoint_weights(self, weights, self.packed_modules_mapping, ignored_names=ignored)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama without biases; its sliding window is refused by
+    `check_no_sliding_window` when it is shorter than the context."""

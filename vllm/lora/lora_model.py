@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from vllm.lora.peft_helper import PEFTHelper
@@ -62,7 +62,7 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
             return load_file(st_path, device="cpu")
         if os.path.isfile(bin_path):
             return torch.load(bin_path, map_location="cpu", weights_only=True)
-    except (SafetensorsError, OSError, RuntimeError, EOFError, ValueError) as e:
+    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as e:
         raise ValueError(f"LoRA adapter {name!r}: cannot read its weights in {path!r}: {e}") from e
     raise ValueError(f"LoRA adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {path!r}.")
 

@@ -1,0 +1,64 @@
+"""LoRA and aLoRA outputs equal PEFT's: greedy tokens identical, logprobs within 1e-4."""
+
+import pytest
+
+from tests.lora.conftest import generate_one
+from vllm import LLM, SamplingParams
+
+
+def _check(out, ref):
+    tokens, logprobs = ref
+    completion = out.outputs[0]
+    assert completion.token_ids == tokens
+    ours = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["lora_qkv", "lora_all"])
+def test_plain_lora_matches_peft(name, lora_llm, lora_requests, peft_reference, tokenizer):
+    for text in ["What is the capital of France?", "one two three four five six seven eight " * 4]:
+        ids = tokenizer.encode(text)
+        _check(generate_one(lora_llm, ids, lora_requests[name]), peft_reference(name, ids))
+
+
+def _conversation(tokenizer, n_tokens):
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. What is the capital of France? " * 20)
+    return ids[:n_tokens]
+
+
+@pytest.mark.parametrize("name", ["alora_certainty", "alora_answerability"])
+def test_alora_matches_peft(name, lora_llm, lora_requests, invocations, peft_reference, tokenizer):
+    inv = invocations[name]
+    conv = _conversation(tokenizer, 40)
+    cases = {
+        "once": conv + inv,
+        "once_then_text": conv + inv + tokenizer.encode(" How sure?"),
+        "twice_last_counts": conv[:10] + inv + conv[10:25] + inv + tokenizer.encode(" ok"),
+        "at_block_boundary": _conversation(tokenizer, 32) + inv,  # invocation starts at 32 = 2 blocks
+    }
+    for case, ids in cases.items():
+        out = generate_one(lora_llm, ids, lora_requests[name])
+        _check(out, peft_reference(name, ids))
+
+
+def test_alora_chunk_boundary_inside_invocation(llama_dir, lora_requests, invocations, peft_reference, tokenizer):
+    inv = invocations["alora_certainty"]
+    conv = _conversation(tokenizer, 21)
+    ids = conv + inv + tokenizer.encode(" sure?")
+    # A 24-token step budget ends the first chunk 3 tokens into the invocation.
+    llm = LLM(llama_dir, max_model_len=256, enable_lora=True, max_loras=1, max_lora_rank=8, max_num_batched_tokens=24)
+    assert len(conv) < 24 < len(conv) + len(inv)
+    _check(generate_one(llm, ids, lora_requests["alora_certainty"]), peft_reference("alora_certainty", ids))
+
+
+def test_alora_without_adapter_tokens_before_invocation_is_base(lora_llm, lora_requests, invocations, tokenizer):
+    """Prompt logprobs before the invocation equal the base model's exactly."""
+    inv = invocations["alora_certainty"]
+    ids = _conversation(tokenizer, 30) + inv + tokenizer.encode(" hi")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    base = generate_one(lora_llm, ids, None, params).prompt_logprobs
+    alora = generate_one(lora_llm, ids, lora_requests["alora_certainty"], params).prompt_logprobs
+    start = 30
+    for p in range(1, start + 1):  # logits at positions < start predict tokens 1..start
+        assert base[p][ids[p]].logprob == alora[p][ids[p]].logprob
+    assert any(base[p][ids[p]].logprob != alora[p][ids[p]].logprob for p in range(start + 1, len(ids)))

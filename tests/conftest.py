@@ -8,6 +8,9 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels run in the interpreter on CPU; this must precede any triton import
+# (transformers imports it through torch._dynamo).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tests.utils.adapters import ALL_LINEAR, ATTN_QKV, make_adapter  # noqa: E402

@@ -35,8 +35,6 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VLLM_CPU_KVCACHE_SPACE": _float_or_none("VLLM_CPU_KVCACHE_SPACE"),
     # Enables /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's name).
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": _bool("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
-    # Run Triton kernels in the interpreter (CPU tests of kernel logic).
-    "TRITON_INTERPRET": _bool("TRITON_INTERPRET"),
     # Force the torch reference ops even on a GPU (debugging, oracles).
     "VLLM_USE_TORCH_REFERENCE_OPS": _bool("VLLM_USE_TORCH_REFERENCE_OPS"),
     # Refuse network access to the model hub.

@@ -9,7 +9,7 @@ Semantics (see vllm/attention/metadata.py for the layout):
                   (causal on top of the cached prefix). GQA: query head h reads KV
                   head h // (num_heads // num_kv_heads).
 
-Decodes are computed as one padded batch; prefills one sequence at a time. A prefill
+Decodes are computed as one padded batch of whole blocks; prefills one sequence at a time. A prefill
 with no cached prefix reads the new keys and values directly, without a gather.
 """
 
@@ -40,21 +40,35 @@ def _flat_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> 
     return slots.reshape(-1)[:length]
 
 
-def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded slot index [num_decodes, max_len] and key mask, shared by every layer of a step."""
+def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Block ids [num_decodes * num_blocks], key mask [num_decodes, num_blocks * block_size] and
+    num_blocks, shared by every layer of a step. Whole blocks are gathered (one contiguous copy
+    per block, not per token); positions past a sequence's length are masked."""
     cache = meta.__dict__.setdefault("_torch_ref_cache", {})
     if "decode" not in cache:
         d = meta.num_decodes
-        seq_lens = meta.seq_lens[:d]
         max_len = int(meta.seq_lens_cpu[:d].max())
         num_blocks = -(-max_len // block_size)
-        table = meta.block_table[:d, :num_blocks].long()
-        offsets = torch.arange(block_size, device=table.device)
-        slots = (table[:, :, None] * block_size + offsets).reshape(d, -1)[:, :max_len]
-        positions = torch.arange(max_len, device=table.device)
-        mask = positions[None, :] < seq_lens[:, None].long()  # [d, max_len]
-        cache["decode"] = (slots, mask)
+        blocks = meta.block_table[:d, :num_blocks].long().reshape(-1)
+        positions = torch.arange(num_blocks * block_size, device=blocks.device)
+        mask = positions[None, :] < meta.seq_lens[:d, None].long()
+        cache["decode"] = (blocks, mask, num_blocks)
     return cache["decode"]
+
+
+def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode rows as one padded batch. Query heads that share a KV head are laid out as
+    that head's query rows, so no KV head is ever expanded. # [num_decodes, H, D]"""
+    d = meta.num_decodes
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    blocks, mask, num_blocks = _decode_index(meta, block_size)
+    k = kv_cache[0].index_select(0, blocks).view(d, num_blocks * block_size, num_kv_heads, head_size)
+    v = kv_cache[1].index_select(0, blocks).view(d, num_blocks * block_size, num_kv_heads, head_size)
+    group = query.shape[1] // num_kv_heads
+    q = query[:d].view(d, num_kv_heads, group, head_size)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
+                                         scale=scale)  # [d, Hkv, group, D]
+    return out.reshape(d, num_kv_heads * group, head_size)
 
 
 def paged_attention(
@@ -74,12 +88,7 @@ def paged_attention(
 
     d = meta.num_decodes
     if d:
-        slots, mask = _decode_index(meta, block_size)
-        k = flat_k[slots].transpose(1, 2)  # [d, Hkv, max_len, D]
-        v = flat_v[slots].transpose(1, 2)
-        q = query[:d].unsqueeze(2)  # [d, H, 1, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
-        out[:d] = o.squeeze(2)
+        out[:d] = _decode(query, kv_cache, meta, scale)
 
     qsl = meta.query_start_loc_cpu.tolist()
     seq_lens = meta.seq_lens_cpu.tolist()

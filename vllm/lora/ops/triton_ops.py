@@ -135,7 +135,8 @@ def _sgmv_expand_kernel(
         mask=n_mask[:, None] & r_mask[None, :],
         other=0.0,
     )  # [BLOCK_N, BLOCK_R]
-    h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h_row + r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    h_off = rows[:, None].to(tl.int64) * stride_h_row + r[None, :]
+    h = tl.load(h_ptr + h_off, mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
     delta = tl.dot(h.to(b.dtype), tl.trans(b), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
     y_off = tok[:, None] * stride_y_tok + (col_offset + n)[None, :] * stride_y_col
     y_mask = m_mask[:, None] & n_mask[None, :]
@@ -321,6 +322,8 @@ def add_lora(
     col_offset = 0
     for a, b, n_out in zip(lora_a, lora_b, output_slices):
         if b.shape[1] != n_out or a.shape[1] != b.shape[2]:
-            raise ValueError(f"LoRA slice shapes {tuple(a.shape)} / {tuple(b.shape)} do not match output slice {n_out}.")
+            raise ValueError(
+                f"LoRA slice shapes {tuple(a.shape)} / {tuple(b.shape)} do not match output slice {n_out}."
+            )
         run(y, x, a, b, col_offset, meta, split_k)
         col_offset += n_out

@@ -1,0 +1,364 @@
+"""Triton paged attention over the KV cache: a split-K decode kernel and a tiled
+prefill kernel (flash-attention style online softmax), both reading keys and values
+through the block table.
+
+Semantics (identical to vllm/attention/backends/torch_ref.paged_attention):
+    for sequence i with KV length L = seq_lens[i] and query length q, query token j
+    (row query_start_loc[i] + j) sits at position p = L - q + j and
+        out[row, h] = softmax(scale * q[row, h] . K[0..p, h // G]) @ V[0..p, h // G]
+    where G = num_heads // num_kv_heads (GQA) and K/V of position x live at flat slot
+    block_table[i, x // block_size] * block_size + x % block_size of the cache.
+
+Invariants:
+- Everything is read from the cache: store_kv has already written this step's keys.
+- Scores, softmax statistics and the output accumulator are fp32; probabilities are
+  cast to the value dtype only as a tl.dot operand.
+- The G query heads that share a kv head are packed into the rows of one tile, so each
+  K/V tile is loaded once per kv head, not once per query head.
+- Head sizes that are not a power of two (or below 16) are padded with masked lanes;
+  tile dims are >= 16 so tl.dot lowers to tensor-core instructions on GPU.
+- The decode grid and its split count depend only on tensor shapes, never on sequence
+  lengths, so the decode path can be captured in a CUDA graph and replayed.
+- Block ids are widened to int64 before being scaled to element offsets.
+- The running max starts at a large finite negative value instead of -inf so a fully
+  masked tile gives p = 0 rather than NaN; a row that saw no key at all outputs 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG_INIT = tl.constexpr(-1.0e30)  # a constexpr so the kernels may read it
+
+
+@triton.jit
+def _attend_tile(
+    q,  # [BLOCK_M, BLOCK_D] queries of this tile
+    m_i,  # [BLOCK_M] running max (log2 domain)
+    l_i,  # [BLOCK_M] running softmax denominator
+    acc,  # [BLOCK_M, BLOCK_D] fp32 running numerator
+    k_base,  # key cache pointer, already offset to this kv head
+    v_base,  # value cache pointer, already offset to this kv head
+    bt_row,  # block-table row of this sequence
+    tile_start,  # first KV position of this tile
+    kv_end,  # positions >= kv_end are not loaded
+    q_pos,  # [BLOCK_M] position of each query row (causal limit)
+    block_size,
+    head_size,
+    stride_c_slot,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over KV positions tile_start .. tile_start + BLOCK_N - 1.
+
+    With CAUSAL=False the caller guarantees every position is < kv_end and visible to
+    every row, so the score mask is skipped.
+    """
+    pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    pos_ok = pos < kv_end
+    dims = tl.arange(0, BLOCK_D)
+    block = tl.load(bt_row + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
+    slot = block * block_size + pos % block_size
+    kv_off = slot[:, None] * stride_c_slot + dims[None, :]  # [BLOCK_N, BLOCK_D]
+    kv_mask = pos_ok[:, None] & (dims[None, :] < head_size)
+    k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if CAUSAL:
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_size]; decode rows first
+    cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    block_table_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_tokens, num_heads, head_size] (NUM_SPLITS == 1)
+    part_acc_ptr,  # [num_decodes, num_heads, NUM_SPLITS, head_size] fp32 (NUM_SPLITS > 1)
+    part_ml_ptr,  # [2, num_decodes, num_heads, NUM_SPLITS] fp32: running max, denominator
+    scale_log2,
+    num_heads,
+    group,
+    head_size,
+    block_size,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_kv,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt_seq,
+    stride_ml,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (seq, kv_head, split) attends the G query heads of one kv head over a
+    contiguous 1/NUM_SPLITS share of the sequence's KV tiles."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    g = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * group + g  # [BLOCK_G]
+    row_mask = (g[:, None] < group) & (dims[None, :] < head_size)  # [BLOCK_G, BLOCK_D]
+    q_row = seq.to(tl.int64) * stride_q_tok
+    q = tl.load(q_ptr + q_row + heads[:, None] * stride_q_head + dims[None, :], mask=row_mask, other=0.0)
+    q_pos = tl.full([BLOCK_G], 0, dtype=tl.int32) + (seq_len - 1)  # a decode sees every cached key
+
+    m_i = tl.full([BLOCK_G], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.full([BLOCK_G], 0, dtype=tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0, dtype=tl.float32)
+    head_off = kv_head.to(tl.int64) * stride_c_head
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+    for tile in range(tile_lo, tile_hi):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, cache_ptr + head_off, cache_ptr + stride_c_kv + head_off, bt_row,
+            tile * BLOCK_N, seq_len, q_pos, block_size, head_size, stride_c_slot, scale_log2,
+            BLOCK_N, BLOCK_D, True, DOT_PRECISION,
+        )
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_off = seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        ml_off = (seq * num_heads + heads).to(tl.int64) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_ml_ptr + ml_off, m_i, mask=g < group)
+        tl.store(part_ml_ptr + stride_ml + ml_off, l_i, mask=g < group)
+        tl.store(part_acc_ptr + ml_off[:, None] * head_size + dims[None, :], acc, mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_size]
+    part_acc_ptr,  # [num_decodes, num_heads, NUM_SPLITS, head_size] fp32
+    part_ml_ptr,  # [2, num_decodes, num_heads, NUM_SPLITS] fp32
+    num_heads,
+    head_size,
+    stride_o_tok,
+    stride_o_head,
+    stride_ml,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Program (seq, head) merges the per-split softmax states into the output row."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    base = (seq * num_heads + head).to(tl.int64) * NUM_SPLITS + splits  # [NUM_SPLITS]
+    m = tl.load(part_ml_ptr + base)
+    l = tl.load(part_ml_ptr + stride_ml + base)
+    acc = tl.load(part_acc_ptr + base[:, None] * head_size + dims[None, :], mask=dims[None, :] < head_size, other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))  # empty splits have m = _NEG_INIT and l = 0
+    denom = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
+    o_off = seq.to(tl.int64) * stride_o_tok + head * stride_o_head + dims
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=dims < head_size)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_size]
+    cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    block_table_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    out_ptr,  # [num_tokens, num_heads, head_size]
+    first_seq,
+    scale_log2,
+    group,
+    head_size,
+    block_size,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_kv,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt_seq,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (seq, query tile, kv_head) attends BLOCK_Q query tokens x the G heads of
+    one kv head (BLOCK_Q * BLOCK_G rows) over the cached prefix and the new tokens."""
+    seq = first_seq + tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
+    rows = tl.arange(0, BLOCK_M)
+    qi = q_tile * BLOCK_Q + rows // BLOCK_G  # [BLOCK_M] query index within the sequence
+    g = rows % BLOCK_G
+    dims = tl.arange(0, BLOCK_D)
+    mask = ((qi < q_len) & (g < group))[:, None] & (dims[None, :] < head_size)  # [BLOCK_M, BLOCK_D]
+    tok = (q_start + qi).to(tl.int64)
+    heads = kv_head * group + g
+    q_off = tok[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
+    q_pos = context + qi
+
+    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0, dtype=tl.float32)
+    head_off = kv_head.to(tl.int64) * stride_c_head
+    k_base = cache_ptr + head_off
+    v_base = cache_ptr + stride_c_kv + head_off
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+    # Positions below the tile's first query position are visible to every row: no mask.
+    first_q_pos = context + q_tile * BLOCK_Q
+    kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)
+    full_end = (first_q_pos // BLOCK_N) * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, bt_row, start, kv_end, q_pos,
+            block_size, head_size, stride_c_slot, scale_log2, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
+        )
+    for start in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, bt_row, start, kv_end, q_pos,
+            block_size, head_size, stride_c_slot, scale_log2, BLOCK_N, BLOCK_D, True, DOT_PRECISION,
+        )
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = tok[:, None] * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 tests must not silently run in tf32 on GPU; bf16/fp16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _common_args(query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor) -> tuple:
+    if query.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("paged attention needs query and out contiguous in their last dimension.")
+    return (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3))
+
+
+def default_num_splits(num_decodes: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits of the KV range so that decode fills the GPU (about two waves of programs).
+
+    Depends only on batch shape, so a captured CUDA graph stays valid for any lengths.
+    """
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    splits = triton.cdiv(target, max(1, num_decodes * num_kv_heads))
+    return min(16, triton.next_power_of_2(splits))
+
+
+def paged_decode(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_size], rows 0:num_decodes written
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    num_decodes: int,
+    scale: float,
+    num_splits: int | None = None,
+) -> None:
+    """Attention of the first num_decodes sequences (one query token each, rows 0:num_decodes)."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = default_num_splits(num_decodes, num_kv_heads, query.device)
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}.")
+    block_d = max(16, triton.next_power_of_2(head_size))
+    block_n = 64 if block_d <= 128 else 32
+    if num_splits > 1:
+        part_acc = torch.empty(num_decodes, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(2, num_decodes, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:  # unused by the kernel; any fp32 tensor keeps the signature uniform
+        part_acc = part_ml = torch.empty(2, 1, dtype=torch.float32, device=query.device)
+    strides = _common_args(query, out, kv_cache)
+    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+        query, kv_cache, block_table, seq_lens, out, part_acc, part_ml,
+        scale * _LOG2E, num_heads, group, head_size, block_size,
+        *strides, block_table.stride(0), part_ml.stride(0),
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_decodes, num_heads)](
+            out, part_acc, part_ml, num_heads, head_size, out.stride(0), out.stride(1), part_ml.stride(0),
+            BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4,
+        )
+
+
+def paged_prefill(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_size]; rows of sequences first_seq: written
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    first_seq: int,
+    num_prefills: int,
+    max_query_len: int,
+    scale: float,
+    block_m: int = 64,
+) -> None:
+    """Causal attention of sequences first_seq .. first_seq + num_prefills - 1 over their
+    cached prefix plus their new tokens."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_q = max(1, block_m // block_g)
+    block_d = max(16, triton.next_power_of_2(head_size))
+    strides = _common_args(query, out, kv_cache)
+    grid = (num_prefills, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        query, kv_cache, block_table, seq_lens, query_start_loc, out,
+        first_seq, scale * _LOG2E, group, head_size, block_size,
+        *strides, block_table.stride(0),
+        BLOCK_Q=block_q,
+        BLOCK_G=block_g,
+        BLOCK_N=64 if block_d <= 128 else 32,
+        BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )

@@ -52,3 +52,16 @@ def test_cache_salt_isolates(llama_dir, tokenizer):
     other = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "b"}], GREEDY, use_tqdm=False)[0]
     same = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "a"}], GREEDY, use_tqdm=False)[0]
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 32
+
+
+def test_uninitialised_cache_memory_is_harmless(llama_dir, tokenizer):
+    """KV caches are allocated uninitialised; blocks are zeroed when handed out, so
+    NaNs left in memory never reach attention (decode reads whole padded blocks)."""
+    llm = LLM(llama_dir, max_model_len=256, block_size=16)
+    for cache in llm.llm_engine.engine_core.runner.kv_caches:
+        cache.fill_(float("nan"))
+    prompts = [_prompt(tokenizer, n) for n in (5, 17, 40, 33)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    reference = LLM(llama_dir, max_model_len=256, enable_prefix_caching=False)
+    expected = reference.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]

@@ -44,6 +44,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished since the last step: the runner drops them
     preempted_req_ids: set[str]  # the runner drops them; they come back as new
+    # Blocks handed out fresh this step (never prefix hits): the runner zeroes them.
+    new_block_ids: list[int] = field(default_factory=list)
     # Structured outputs: one bitmask row per constrained request that samples.
     grammar_bitmask: Optional[torch.Tensor] = None
     grammar_rows: dict[str, int] = field(default_factory=dict)

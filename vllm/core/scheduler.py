@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
+        self._new_block_ids: list[int] = []
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- requests
@@ -85,6 +86,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        self._new_block_ids: list[int] = []
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
@@ -103,6 +105,7 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
+            self._new_block_ids.extend(b.block_id for b in new_blocks)
             cached_reqs.append(
                 CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
             )
@@ -122,6 +125,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
+            new_block_ids=self._new_block_ids,
         )
         self._finished_req_ids = set()
         self._fill_grammar_bitmask(output)
@@ -140,8 +144,10 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
                 break
+            self._new_block_ids.extend(b.block_id for b in new_blocks)
             self.waiting.popleft()
             self.kv_cache_manager.record_prefix_lookup(request, num_hit)
             self.running.append(request)

@@ -4,8 +4,10 @@ Capacity, in order of precedence: `num_gpu_blocks_override`, `kv_cache_memory_by
 then per device: on CPU `VLLM_CPU_KVCACHE_SPACE` GiB, or by default the smaller of
 4 GiB and what `max_num_seqs` sequences of `max_model_len` tokens could ever use; on
 CUDA `gpu_memory_utilization` of the device minus the peak of a profiling forward
-pass. The caches are zero-filled: attention multiplies masked positions by zero
-weights, and uninitialised memory could hold NaNs.
+pass. The caches are allocated uninitialised (no start-up cost, memory grows with
+use) and every block is zeroed when the scheduler hands it out fresh
+(`zero_blocks`): the torch attention reads whole blocks and masks positions past a
+sequence's end with zero weights, and 0 * NaN would poison the output.
 """
 
 from __future__ import annotations
@@ -63,4 +65,12 @@ def _at_least_one(num_blocks: int, source: str) -> int:
 def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int, device: torch.device) -> list[torch.Tensor]:
     """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size]."""
     shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_size)
-    return [torch.zeros(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_layers)]
+    return [torch.empty(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_layers)]
+
+
+def zero_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> None:
+    if not block_ids:
+        return
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+    for cache in kv_caches:
+        cache.index_fill_(1, index, 0)

@@ -24,7 +24,7 @@ from vllm.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOu
 from vllm.model_executor.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from vllm.model_executor.model_loader import get_model
 from vllm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
-from vllm.worker.kv_cache import allocate_kv_caches
+from vllm.worker.kv_cache import allocate_kv_caches, zero_blocks
 from vllm.worker.sampling_inputs import build_sampling_metadata
 
 
@@ -86,6 +86,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
+        zero_blocks(self.kv_caches, sched.new_block_ids)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         # Decodes first (stable, so FCFS order holds within each group).

@@ -101,3 +101,28 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         ensure_default_model()
     assert os.listdir(tmp_path / "models") == []
+
+
+@pytest.mark.slow
+def test_engine_answers_and_matches_transformers_logits(converted):
+    """Our engine on the real converted model: a factual answer, and logits equal to
+    transformers' (fp32) at every prompt position and for the generated tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm import LLM, SamplingParams
+
+    _, folder, _ = converted
+    llm = LLM(folder, max_model_len=512)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    ours = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)[0].prompt_logprobs
+    diffs = [abs(ours[p][ids[p]].logprob - ref[p - 1, ids[p]].item()) for p in range(1, len(ids))]
+    assert max(diffs) < 1e-4

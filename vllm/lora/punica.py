@@ -4,8 +4,10 @@ The model runner hands in `token_lora_mapping` (one slot index per token, -1 for
 tokens that use no adapter: base requests, and aLoRA tokens before the invocation).
 From it we derive, once per step, everything the LoRA ops need:
 
-- `groups`: for the torch op, `(slot, rows)` per active slot; `rows` is None when
-  that slot covers every token (no gather needed).
+- `runs`: for the torch op, maximal runs `(slot, start, end)` of consecutive tokens
+  with the same slot (the runner orders the batch by slot, so there are few), used
+  as views with no gather; or, when the mapping is fragmented, `groups`: `(slot,
+  rows)` per active slot for a gather / scatter-add.
 - SGMV segments for the Triton op: tokens ordered by slot (`sorted_token_ids`), with
   one segment `(seg_slots[s], seg_starts[s], seg_lens[s])` per active slot. Tokens
   with -1 are not in any segment, so they cost nothing.
@@ -29,7 +31,8 @@ from vllm.platforms import use_triton_kernels
 class LoRAKernelMeta:
     num_tokens: int = 0
     token_lora_mapping: Optional[torch.Tensor] = None  # [num_tokens] int32 (view of a persistent buffer)
-    groups: list[tuple[int, Optional[torch.Tensor]]] = field(default_factory=list)
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end)
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     sorted_token_ids: Optional[torch.Tensor] = None  # [num_adapted_tokens] int64
     seg_slots: Optional[torch.Tensor] = None  # [num_segments] int32
     seg_starts: Optional[torch.Tensor] = None  # [num_segments] int32, offsets into sorted_token_ids
@@ -38,7 +41,17 @@ class LoRAKernelMeta:
 
     @property
     def has_lora(self) -> bool:
-        return bool(self.groups)
+        return bool(self.runs or self.groups)
+
+
+# Beyond this many runs per adapter, one gather per adapter is cheaper than many views.
+_MAX_RUNS_PER_SLOT = 4
+
+
+def _runs(mapping: np.ndarray) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal non-negative slots: [(slot, start, end)]."""
+    bounds = np.concatenate(([0], np.flatnonzero(np.diff(mapping)) + 1, [mapping.shape[0]]))
+    return [(int(mapping[a]), int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if mapping[a] >= 0]
 
 
 class PunicaWrapper:
@@ -68,9 +81,12 @@ class PunicaWrapper:
         if adapted.size:
             order = adapted[np.argsort(mapping[adapted], kind="stable")]
             slots, starts, lens = np.unique(mapping[order], return_index=True, return_counts=True)
-            for slot, start, length in zip(slots.tolist(), starts.tolist(), lens.tolist()):
-                rows = None if length == n else torch.from_numpy(order[start : start + length]).to(self.device)
-                meta.groups.append((slot, rows))
+            runs = _runs(mapping)
+            if len(runs) <= _MAX_RUNS_PER_SLOT * len(slots):
+                meta.runs = runs
+            else:
+                meta.groups = [(slot, torch.from_numpy(order[start : start + length]).to(self.device))
+                               for slot, start, length in zip(slots.tolist(), starts.tolist(), lens.tolist())]
             meta.sorted_token_ids = torch.from_numpy(order.astype(np.int64)).to(self.device)
             meta.seg_slots = torch.from_numpy(slots.astype(np.int32)).to(self.device)
             meta.seg_starts = torch.from_numpy(starts.astype(np.int32)).to(self.device)

@@ -89,12 +89,11 @@ class ModelRunner:
         zero_blocks(self.kv_caches, sched.new_block_ids)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
-        # Decodes first (stable, so FCFS order holds within each group).
-        order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
-        states = [self.requests[r] for r in order]
         lora_slots = None
         if self.lora_manager is not None:
-            lora_slots = self.lora_manager.activate([s.lora_request for s in states])
+            lora_slots = self.lora_manager.activate([self.requests[r].lora_request for r in sched.num_scheduled_tokens])
+        order = self._batch_order(sched, lora_slots)
+        states = [self.requests[r] for r in order]
         inputs = build_step_inputs(states, [sched.num_scheduled_tokens[r] for r in order], self.block_size, lora_slots)
         if self.lora_manager is not None:
             self.lora_manager.punica.update(inputs.token_lora_mapping)
@@ -109,6 +108,16 @@ class ModelRunner:
         for i, (start, count) in inputs.prompt_logprob_spans.items():
             output.prompt_logprobs[states[i].req_id] = self._prompt_logprobs(states[i], hidden[start : start + count])
         return output
+
+    def _batch_order(self, sched: SchedulerOutput, lora_slots: Optional[dict[int, int]]) -> list[str]:
+        """Decodes first (the attention contract), then by adapter slot, so each
+        adapter's tokens are contiguous runs; stable, so FCFS order holds otherwise."""
+        def key(req_id: str) -> tuple[bool, int]:
+            lora = self.requests[req_id].lora_request
+            slot = lora_slots[lora.lora_int_id] if lora is not None and lora_slots else -1
+            return sched.num_scheduled_tokens[req_id] != 1, slot
+
+        return sorted(sched.num_scheduled_tokens, key=key)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:

@@ -9,7 +9,9 @@ Semantics:
 
 Shapes: x [T, in]; y [T, sum(output_slices)]; lora_a[i] [max_loras, max_rank, in];
 lora_b[i] [max_loras, n_i, max_rank]. Slots an adapter does not target hold zeros.
-Tokens are grouped by slot, so each active adapter costs two matmuls per slice.
+Each run of consecutive tokens with one adapter costs two matmuls per slice on views
+of x and y; a fragmented mapping is handled per adapter with a gather and a
+scatter-add instead.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ def add_lora(
     output_slices: Sequence[int],
     meta: LoRAKernelMeta,
 ) -> None:
+    offsets = [0]
+    for size in output_slices:
+        offsets.append(offsets[-1] + size)
+    for slot, start, end in meta.runs:
+        xs = x[start:end]
+        for i, (a, b) in enumerate(zip(lora_a, lora_b)):
+            y[start:end, offsets[i] : offsets[i + 1]].addmm_(xs @ a[slot].T, b[slot].T)
     for slot, rows in meta.groups:
-        xs = x[: meta.num_tokens] if rows is None else x.index_select(0, rows)
+        xs = x.index_select(0, rows)
         deltas = [(xs @ a[slot].T) @ b[slot].T for a, b in zip(lora_a, lora_b)]
-        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1)  # [n, sum(output_slices)]
-        if rows is None:
-            y[: meta.num_tokens] += delta
-        else:
-            y.index_add_(0, rows, delta)
+        y.index_add_(0, rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1))

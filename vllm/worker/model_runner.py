@@ -174,8 +174,10 @@ class ModelRunner:
         if sched.grammar_bitmask is not None:
             from vllm.structured_output import apply_bitmask
 
+            # apply_bitmask pairs bitmask row j with logits row j.
             pairs = [(j, sched.grammar_rows[s.req_id]) for j, s in enumerate(rows) if s.req_id in sched.grammar_rows]
-            bitmask = sched.grammar_bitmask[[b for _, b in pairs]].to(self.device)
+            bitmask = torch.full((len(rows), sched.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+            bitmask[[j for j, _ in pairs]] = sched.grammar_bitmask[[b for _, b in pairs]]
             apply_bitmask(logits, bitmask, [j for j, _ in pairs])
         meta: SamplingMetadata = build_sampling_metadata(rows, self.model_config.vocab_size, self.device)
         sampled, logprobs = self.sampler(logits, meta)

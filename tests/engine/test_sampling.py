@@ -117,3 +117,28 @@ def test_greedy_ignores_sampling_knobs(llm):
     b = _gen(llm, SamplingParams(temperature=0, top_p=0.1, top_k=3, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
     assert a == b
     assert torch.is_grad_enabled()  # the engine does not leak inference mode
+
+
+def test_streamed_deltas_keep_token_texts_aligned_with_stop_strings(llm):
+    """DELTA outputs hold back text a stop string could still cut, and the tokens whose
+    text is held back, so every delta's token texts concatenate to its text."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    base = _gen(llm, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    # A stop string that spans a token boundary.
+    cut = len(base.token_texts[0]) + len(base.token_texts[1])
+    stop = base.text[cut - 1 : cut + 1]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], logprobs=0,
+                            output_kind=RequestOutputKind.DELTA)
+    engine.add_request("delta-stop", PROMPT, params)
+    text, texts, ids = "", [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            completion = out.outputs[0]
+            assert "".join(completion.token_texts) == completion.text
+            assert len(completion.token_texts) == len(completion.token_ids) == len(completion.logprobs)
+            text += completion.text
+            texts += completion.token_texts
+            ids += completion.token_ids
+    assert text == base.text[: base.text.index(stop)] and "".join(texts) == text

@@ -182,6 +182,8 @@ class OutputProcessor:
         completions = [self._completion(parent, c, delta=kind == RequestOutputKind.DELTA) for c in parent.children]
         if kind == RequestOutputKind.DELTA:
             completions = [c for c in completions if c is not None]
+            if not completions and not parent.finished:
+                return None  # nothing visible yet (held back for a possible stop string)
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -194,20 +196,34 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
         )
 
+    @staticmethod
+    def _sendable(child: SequenceState, finished: bool) -> tuple[int, int]:
+        """(tokens, characters) a DELTA output may carry so far. Text a stop string
+        could still cut is held back, and with it every token whose text is not fully
+        visible, so each delta's token texts concatenate exactly to its text."""
+        detok = child.detokenizer
+        if finished or not child.params.detokenize:
+            return len(child.token_ids), len(detok.text)
+        limit = len(detok.text) - detok.stop_holdback
+        tokens, chars = child.sent_tokens, child.sent_chars
+        while tokens < len(detok.token_texts) and chars + len(detok.token_texts[tokens]) <= limit:
+            chars += len(detok.token_texts[tokens])
+            tokens += 1
+        return tokens, chars
+
     def _completion(self, parent: ParentState, child: SequenceState, delta: bool) -> Optional[CompletionOutput]:
         text, token_texts = child.detokenizer.text, child.detokenizer.token_texts
         token_ids, logprobs = child.token_ids, child.logprobs
         if delta:
             finished = child.finish_reason is not None
-            # Hold back text that a stop string could still cut.
-            visible = len(text) if finished else max(len(text) - child.detokenizer.stop_holdback, child.sent_chars)
-            if len(token_ids) == child.sent_tokens and visible == child.sent_chars and not finished:
+            num_tokens, visible = self._sendable(child, finished)
+            if num_tokens == child.sent_tokens and visible == child.sent_chars and not finished:
                 return None
             start_tok, start_chr = child.sent_tokens, child.sent_chars
-            child.sent_tokens, child.sent_chars = len(token_ids), visible
-            text, token_ids = text[start_chr:visible], token_ids[start_tok:]
-            token_texts = token_texts[start_tok:]
-            logprobs = logprobs[start_tok:] if logprobs is not None else None
+            child.sent_tokens, child.sent_chars = num_tokens, visible
+            text, token_ids = text[start_chr:visible], token_ids[start_tok:num_tokens]
+            token_texts = token_texts[start_tok:num_tokens]
+            logprobs = logprobs[start_tok:num_tokens] if logprobs is not None else None
         return CompletionOutput(
             index=child.index,
             text=text,

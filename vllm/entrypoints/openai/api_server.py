@@ -1,0 +1,208 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over `AsyncLLM`, run by uvicorn.
+
+What it owns: the routes (GET /health /ping /version /v1/models /metrics, POST
+/v1/completions /v1/chat/completions, and /v1/load_lora_adapter /v1/unload_lora_adapter
+when VLLM_ALLOW_RUNTIME_LORA_UPDATING is set, as in vLLM), API-key enforcement on /v1
+routes, CORS, and the server's start-up and shutdown.
+
+Invariants:
+- Handlers only validate, submit and await: model steps run on the engine thread.
+- A client that goes away aborts its request: a stream's generator is cancelled by
+  Starlette, and a non-streaming handler is raced against the connection's
+  `http.disconnect` (what vLLM's `with_cancellation` does).
+- With an API key (`--api-key` or VLLM_API_KEY) every /v1 route needs
+  `Authorization: Bearer <key>`; /health, /ping, /version and /metrics stay open.
+- Shutdown joins the engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+from typing import Any, Awaitable, Optional
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from vllm import envs
+from vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from vllm.entrypoints.chat_utils import load_chat_template
+from vllm.entrypoints.openai.cli_args import engine_args_from
+from vllm.entrypoints.openai.errors import error_response, install_error_handlers
+from vllm.entrypoints.openai.metrics import ServerMetrics
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.logger import init_logger
+from vllm.version import __version__
+
+logger = init_logger(__name__)
+
+router = APIRouter()
+lora_router = APIRouter()
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware), so streaming and disconnects pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            given = Headers(scope=scope).get("authorization", "")
+            if not secrets.compare_digest(given.encode(), self.expected.encode()):
+                await error_response("Unauthorized", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening any more
+    return task.result()
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump())
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+def _health(request: Request) -> Response:
+    try:
+        request.app.state.engine.check_health()
+    except EngineDeadError:
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    return _health(raw_request)
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(raw_request: Request) -> Response:
+    return _health(raw_request)
+
+
+@router.get("/version")
+async def show_version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/v1/models")
+async def show_available_models(raw_request: Request) -> JSONResponse:
+    return JSONResponse(raw_request.app.state.models.show_available_models().model_dump())
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    return Response(raw_request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
+    if request.stream:
+        return _respond(await serving.create_completion(request))
+    return _respond(await _unless_disconnected(raw_request, serving.create_completion(request)))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    if request.stream:
+        return _respond(await serving.create_chat_completion(request))
+    return _respond(await _unless_disconnected(raw_request, serving.create_chat_completion(request)))
+
+
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
+    return PlainTextResponse(await raw_request.app.state.models.load_lora_adapter(request))
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
+    return PlainTextResponse(await raw_request.app.state.models.unload_lora_adapter(request))
+
+
+def build_app(args: argparse.Namespace, engine: AsyncLLM, models: OpenAIServingModels, metrics: ServerMetrics,
+              api_key: Optional[str], chat_template: Optional[str]) -> FastAPI:
+    app = FastAPI(title="vllm", version=__version__, root_path=args.root_path or "")
+    app.include_router(router)
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        logger.warning("Runtime LoRA updating is enabled (VLLM_ALLOW_RUNTIME_LORA_UPDATING): do not use this "
+                       "in production.")
+        app.include_router(lora_router)
+    install_error_handlers(app)
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+                       allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.state.engine = engine
+    app.state.models = models
+    app.state.metrics = metrics
+    app.state.serving_completion = OpenAIServingCompletion(engine, models)
+    app.state.serving_chat = OpenAIServingChat(engine, models, chat_template, args.response_role)
+    return app
+
+
+async def run_server(args: argparse.Namespace) -> None:
+    engine_args = engine_args_from(args)
+    api_key = args.api_key or envs.VLLM_API_KEY
+    chat_template = load_chat_template(args.chat_template)  # fail before loading the model
+    served_name = engine_args.served_model_name or engine_args.model
+    metrics = ServerMetrics(served_name)
+    engine = AsyncLLM.from_engine_args(engine_args, observer=metrics)
+    try:
+        metrics.attach(engine.get_stats)
+        models = OpenAIServingModels(engine, served_name, engine.model_config.model_dir,
+                                     engine.model_config.max_model_len, args.lora_modules)
+        await models.init_static_loras()
+        app = build_app(args, engine, models, metrics, api_key, chat_template)
+        if chat_template is None and not getattr(engine.tokenizer, "chat_template", None):
+            logger.warning("The tokenizer has no chat template: /v1/chat/completions needs --chat-template.")
+        host = args.host or "0.0.0.0"
+        logger.info("Serving model %r from %s (max_model_len=%d)", served_name, engine.model_config.model_dir,
+                    engine.model_config.max_model_len)
+        for line in await models.describe_adapters():
+            logger.info("Serving adapter %s", line)
+        logger.info("Listening on http://%s:%d%s", host, args.port,
+                    " (API key required on /v1 routes)" if api_key else "")
+        config = uvicorn.Config(app, host=host, port=args.port, log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log)
+        await uvicorn.Server(config).serve()
+    finally:
+        engine.shutdown()

@@ -1,0 +1,228 @@
+"""Request bodies of the OpenAI-compatible API (vLLM's field names) and their
+translation into `SamplingParams`.
+
+What it owns: the schema of /v1/completions, /v1/chat/completions and the LoRA adapter
+endpoints, and the rules that are about the request alone (not the model): e.g.
+`stream_options` needs `stream`, `top_logprobs` needs `logprobs`.
+
+Invariants:
+- Unknown top-level fields are accepted and ignored (clients send vendor extras such as
+  `documents: []` or `"tools": null`); they are logged at debug level.
+- A field of the wrong type or out of range fails validation, which the server answers
+  with 400 (never 422 or 500). Range checks shared with the offline API live in
+  `SamplingParams`, so both surfaces say the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm.structured_output import structured_outputs_from_request
+
+logger = init_logger(__name__)
+
+# OpenAI's limit on top_logprobs, and vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
+_INT64 = 2**63
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self):
+        if self.model_extra:
+            logger.debug("Ignoring unknown request fields: %s", sorted(self.model_extra))
+        return self
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields common to completions and chat completions."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = Field(None, ge=-_INT64, lt=_INT64)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # Prefix-cache isolation (vLLM's field): only requests with the same salt share KV blocks.
+    cache_salt: Optional[str] = Field(None, min_length=1)
+    # Structured outputs: current vLLM, OpenAI, and the legacy vLLM (< 0.12) fields.
+    structured_outputs: Optional[dict[str, Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check_common(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}.")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when streaming.")
+        for key in self.logit_bias or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}.")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                         prompt_logprobs: Optional[int]) -> SamplingParams:
+        """Raises ValueError (answered 400) for values SamplingParams rejects."""
+        structured = structured_outputs_from_request(
+            self.structured_outputs, self.response_format, guided_json=self.guided_json,
+            guided_regex=self.guided_regex, guided_choice=self.guided_choice, guided_grammar=self.guided_grammar,
+        )
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self.logit_bias,
+                allowed_token_ids=self.allowed_token_ids,
+                structured_outputs=structured,
+            )
+        except (TypeError, OverflowError) as e:  # a value of a type SamplingParams cannot compare
+            raise ValueError(f"Invalid sampling parameters: {e}") from e
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_completion(self):
+        if self.suffix is not None:
+            raise ValueError("suffix is not currently supported.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
+        if isinstance(self.prompt, (str, list)) and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty.")
+        if isinstance(self.prompt, list) and any(isinstance(p, list) and not p for p in self.prompt):
+            raise ValueError("prompt must not contain an empty token list.")
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]  # one prompt given as token ids
+        return list(self.prompt)
+
+    def to_sampling_params(self, max_tokens: Optional[int]) -> SamplingParams:
+        # echo with logprobs also scores the prompt, as vLLM does.
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ChatMessageParam(BaseModel):
+    """A message with any role (custom roles reach the chat template unchanged)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Optional[Union[str, list[Union[str, dict[str, Any]]]]] = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = 0
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    documents: Optional[list[dict[str, Any]]] = None
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}.")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("Only tool_choice 'none' and 'auto' are supported: this server does not parse tool calls.")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        # max_completion_tokens is OpenAI's newer name; it wins, as in vLLM.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: Optional[int]) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_int_id: Optional[int] = None

@@ -145,3 +145,27 @@ def test_module_names_and_tied_head():
     assert model.model.layers[0].self_attn.qkv_proj.output_sizes == [64, 32, 32]
     # One rotary cos/sin cache shared by every layer, not one per layer.
     assert model.model.layers[0].self_attn.rotary_emb is model.model.layers[1].self_attn.rotary_emb
+
+
+def test_onednn_packed_linear_and_lm_head_match_reference():
+    from vllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+    from vllm.platforms import use_onednn_linear
+
+    cpu = torch.device("cpu")
+    if not use_onednn_linear(cpu):
+        pytest.skip("oneDNN is not available in this torch build")
+    torch.manual_seed(0)
+    linear = Linear(48, [32, 16, 16], True, torch.float32, cpu)
+    embedding = VocabEmbedding(100, 48, torch.float32, cpu)
+    for p in (linear.weight, linear.bias, embedding.weight):
+        torch.nn.init.normal_(p)
+    head = LMHead(100, 48, torch.float32, cpu, tied_embedding=embedding)
+    x = torch.randn(37, 48)
+    expected_linear, expected_head = linear(x), head(x)
+    linear.pack_for_onednn(batch_hint=64)
+    head.pack_for_onednn(batch_hint=64)
+    torch.testing.assert_close(linear(x), expected_linear, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x[::2]), expected_linear[::2], rtol=1e-5, atol=1e-4)  # strided input
+    torch.testing.assert_close(head(x), expected_head, rtol=1e-5, atol=1e-4)
+    assert linear.weight.numel() == 0  # no second copy kept
+    assert embedding.weight.numel() == 100 * 48  # the tied embedding still embeds

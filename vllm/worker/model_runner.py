@@ -23,9 +23,14 @@ from vllm.core.kv_cache_utils import cdiv
 from vllm.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from vllm.model_executor.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from vllm.model_executor.model_loader import get_model
+from vllm.platforms import use_onednn_linear
 from vllm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from vllm.worker.kv_cache import allocate_kv_caches, zero_blocks
 from vllm.worker.sampling_inputs import build_sampling_metadata
+
+
+# oneDNN packs weights for a typical row count; any row count works with the packing.
+_ONEDNN_BATCH_HINT = 64
 
 
 class ModelRunner:
@@ -44,6 +49,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device)
+        self._wrap_lora()
+        if use_onednn_linear(self.device):
+            for module in self.model.modules():
+                if hasattr(module, "pack_for_onednn"):  # Linear, LMHead
+                    module.pack_for_onednn(batch_hint=_ONEDNN_BATCH_HINT)
+
+    def _wrap_lora(self) -> None:
         if self.config.lora_config is not None:
             from vllm.lora.model_manager import LoRAModelManager
 

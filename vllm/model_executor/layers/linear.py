@@ -11,6 +11,8 @@ Invariants:
   copy of the weights.
 - The surface other code relies on (the LoRA wrapper) is only `input_size`,
   `output_sizes`, `weight`, `bias` and `forward`; keep it that way.
+- After `pack_for_onednn` (CPU fast path, once weights are final) the weight lives
+  only in oneDNN's blocked layout; `weight` keeps its dtype and device but no data.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def copy_checked(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
             f"{tuple(loaded_weight.shape)}"
         )
     param.copy_(loaded_weight)
+
+
+def pack_onednn_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """A copy of `weight` [out, in] in oneDNN's pre-packed blocked layout (CPU)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[int] = None) -> None:
@@ -64,12 +75,20 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self._packed: Optional[torch.Tensor] = None
 
     @property
     def num_shards(self) -> int:
         return len(self.output_sizes)
 
+    def pack_for_onednn(self, batch_hint: int) -> None:
+        """Move the weight into oneDNN's pre-packed layout (no second copy is kept)."""
+        self._packed = pack_onednn_weight(self.weight, batch_hint)
+        self.weight.data = self.weight.data.new_empty(0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, input_size] -> [num_tokens, output_size]
+        if self._packed is not None:
+            return onednn_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[int]) -> None:

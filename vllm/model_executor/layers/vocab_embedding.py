@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.layers.linear import default_weight_loader
+from vllm.model_executor.layers.linear import default_weight_loader, onednn_linear, pack_onednn_weight
 
 
 class VocabEmbedding(nn.Module):
@@ -50,6 +50,7 @@ class LMHead(nn.Module):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.tied = tied_embedding is not None
+        self._packed: Optional[torch.Tensor] = None
         if self.tied:
             # The same Parameter object: named_parameters() lists it once, under the
             # embedding's name, so the loader fills it once.
@@ -60,7 +61,16 @@ class LMHead(nn.Module):
         )
         self.weight.weight_loader = default_weight_loader
 
+    def pack_for_onednn(self, batch_hint: int) -> None:
+        """CPU fast path: a pre-packed copy of the weight (the embedding keeps its own
+        when tied; untied, the plain copy is dropped)."""
+        self._packed = pack_onednn_weight(self.weight, batch_hint)
+        if not self.tied:
+            self.weight.data = self.weight.data.new_empty(0)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, hidden_size] -> [N, vocab_size]
+        if self._packed is not None:
+            return onednn_linear(hidden_states, self._packed, None)
         return F.linear(hidden_states, self.weight)
 
     def extra_repr(self) -> str:

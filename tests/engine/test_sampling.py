@@ -142,3 +142,11 @@ def test_streamed_deltas_keep_token_texts_aligned_with_stop_strings(llm):
             texts += completion.token_texts
             ids += completion.token_ids
     assert text == base.text[: base.text.index(stop)] and "".join(texts) == text
+
+
+def test_chat_continue_final_message_with_a_custom_role(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "certainty", "content": ""}]
+    out = llm.chat(messages, SamplingParams(max_tokens=1), add_generation_prompt=False,
+                   continue_final_message=True, use_tqdm=False)[0]
+    assert tok.decode(out.prompt_token_ids, skip_special_tokens=False).endswith("<|start_of_role|>certainty<|end_of_role|>")

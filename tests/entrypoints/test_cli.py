@@ -42,7 +42,7 @@ def test_dash_and_underscore_spellings():
 def test_model_defaults_and_engine_flags():
     parser = make_parser()
     args = parser.parse_args(["serve", "--enable-lora", "--enable-activated-lora", "--no-enable-prefix-caching",
-                              "--max-lora-rank", "64"])
+                              "--max-lora-rank", "64", "--enable-prompt-tokens-details"])
     engine_args = engine_args_from(args)
     assert engine_args.model == EngineArgs.model
     assert engine_args.enable_lora and engine_args.enable_activated_lora and not engine_args.enable_prefix_caching

@@ -73,9 +73,9 @@ def apply_chat_template(
         raise ValueError(
             "The tokenizer has no chat template and none was given; pass chat_template (--chat-template)."
         )
+    # continue_final_message continues whatever role the last message has: a custom
+    # role's empty turn renders as just its header, e.g. an aLoRA's invocation.
     conversation = normalize_messages(messages)
-    if continue_final_message and conversation[-1]["role"] != "assistant":
-        raise ValueError("continue_final_message requires the last message to be from the assistant.")
     kwargs = dict(chat_template_kwargs or {})
     try:
         return tokenizer.apply_chat_template(

@@ -67,6 +67,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list).")
     server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
     server.add_argument("--root-path", default=None, help="ASGI root_path, when behind a path-based proxy.")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="Accepted for vLLM compatibility: usage.prompt_tokens_details (with cached_tokens) "
+                             "is always reported.")
     engine = parser.add_argument_group("engine")
     EngineArgs.add_cli_args(engine)
     return parser

@@ -142,3 +142,237 @@ def save_json(path: Optional[str], payload: dict) -> None:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
         print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------- shared by the aLoRA benchmarks
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+INTRINSIC_NAMES = ["certainty", "answerability", "hallucination", "citation", "safety", "relevance", "context",
+                   "query_rewrite"]
+
+
+def add_model_args(parser) -> None:
+    """The flags every benchmark shares: model choice, threads, JSON output."""
+    parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
+    parser.add_argument("--granite-8b-dummy", action="store_true",
+                        help="Granite-3.3-8B shapes, random bf16 weights (load_format=dummy; for a GPU)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="model dtype (default: the engine's, fp32 on CPU and bf16 on GPU)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--json", default=None, help="write results to this JSON file")
+
+
+def resolve_model(args, root: Optional[str] = None) -> tuple[str, dict]:
+    """(model folder, extra LLM kwargs) for --model / --granite-8b-dummy / the default model."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kwargs = {"dtype": args.dtype} if args.dtype else {}
+    if args.granite_8b_dummy:
+        return granite_8b_dummy_dir(root or _tmpdir()), {"load_format": "dummy", **kwargs}
+    from vllm.model_executor.default_model import ensure_default_model
+
+    return args.model or ensure_default_model(), kwargs
+
+
+def engine_dtype(args) -> torch.dtype:
+    """The dtype the engine will run in (for adapters written ahead and for the floor)."""
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    return torch.bfloat16 if default_device() == "cuda" else torch.float32
+
+
+def server_flags(args) -> list[str]:
+    """`vllm serve` flags for --granite-8b-dummy / --dtype."""
+    flags = ["--load-format", "dummy"] if args.granite_8b_dummy else []
+    return flags + (["--dtype", args.dtype] if args.dtype else [])
+
+
+def _tmpdir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="vllm-bench-")
+
+
+def load_hf_config(model_dir: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def machine_load() -> dict:
+    """The machine's state next to every number: load average and CPU count."""
+    one, five, fifteen = os.getloadavg()
+    return {"loadavg_1m": round(one, 2), "loadavg_5m": round(five, 2), "loadavg_15m": round(fifteen, 2),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "commit": engine_commit()}
+
+
+def engine_commit() -> str:
+    """The engine's git commit (with "+dirty" when vllm/ has uncommitted changes): numbers
+    belong to a version of the code."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vllm"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (commit or "unknown") + ("+dirty" if dirty else "")
+
+
+def load_line(load: dict) -> str:
+    return (f"load average {load['loadavg_1m']:.2f}/{load['loadavg_5m']:.2f}/{load['loadavg_15m']:.2f} on "
+            f"{load['cpus']} CPUs, {load['torch_threads']} torch threads, engine {load.get('commit', '?')}")
+
+
+def invocation_ids(tokenizer, name: str) -> list[int]:
+    """Invocation tokens of an intrinsic: the start of an assistant-like turn with the
+    intrinsic's name as its role (the IBM Granite intrinsics style, in this tokenizer's
+    chat markup when it has one)."""
+    start = "<|im_start|>" if "<|im_start|>" in tokenizer.get_vocab() else "<|start_of_role|>"
+    return tokenizer.encode(f"{start}{name}", add_special_tokens=False)
+
+
+def turn_ids(tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """(user turn opening, end of turn + assistant opening, end of turn) in the chat markup."""
+    if "<|im_start|>" in tokenizer.get_vocab():
+        user, end, assistant = "<|im_start|>user\n", "<|im_end|>\n", "<|im_start|>assistant\n"
+    else:
+        user, end, assistant = "<|start_of_role|>user<|end_of_role|>", "<|end_of_text|>\n", \
+            "<|start_of_role|>assistant<|end_of_role|>"
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    return enc(user), enc(end) + enc(assistant), enc(end)
+
+
+def conversation_ids(tokenizer, vocab_size: int, length: int, seed: int) -> list[int]:
+    """A `length`-token chat prompt (user turn of random ordinary tokens, then the
+    assistant opening) ready for the base model to answer. Random ids come from above
+    the special tokens, so no invocation sequence occurs by chance."""
+    user, closing, _ = turn_ids(tokenizer)
+    rng = random.Random(seed)
+    low = min(100, vocab_size - 1)
+    body = [rng.randrange(low, vocab_size) for _ in range(max(1, length - len(user) - len(closing)))]
+    return user + body + closing
+
+
+def write_adapter_pair(root: str, hf_config, name: str, rank: int, targets: list[str], seed: int,
+                       invocation: list[int], dtype=torch.float32) -> tuple[str, str]:
+    """The same random weights twice: as an aLoRA (with `invocation`) and as a plain LoRA."""
+    alora = write_random_adapter(os.path.join(root, f"alora-{name}"), hf_config, rank, targets, seed, invocation, dtype)
+    lora = write_random_adapter(os.path.join(root, f"lora-{name}"), hf_config, rank, targets, seed, None, dtype)
+    return alora, lora
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); nan when there are no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def weight_bytes(hf_config, dtype: torch.dtype) -> float:
+    """Bytes of weights one forward step reads: every linear layer plus the LM head
+    (the embedding rows it gathers are negligible)."""
+    linear = sum(a * b for a, b in linear_shapes(hf_config)) * hf_config.num_hidden_layers
+    head = hf_config.hidden_size * hf_config.vocab_size
+    return float(linear + head) * torch.empty((), dtype=dtype).element_size()
+
+
+def measured_bandwidth(device: str, megabytes: int = 256) -> float:
+    """Bytes/s of a large copy (read + write counted) on this machine."""
+    n = megabytes * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    reps = 5
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2.0 * src.numel() * 4 * reps / (time.perf_counter() - start)
+
+
+class Floor:
+    """The physical floor of a forward pass on this machine: FLOPs over the measured
+    matmul rate, or weight bytes over the measured bandwidth, whichever is larger."""
+
+    def __init__(self, hf_config, dtype: torch.dtype, device: str, num_tokens: int = 2048, tries: int = 3):
+        # Best of a few tries: on a shared machine a slow try measures the neighbours, not the hardware.
+        self.hf_config = hf_config
+        self.flops = max(measured_matmul_flops(linear_shapes(hf_config), num_tokens, dtype, device)
+                         for _ in range(tries))
+        self.bandwidth = max(measured_bandwidth(device) for _ in range(tries))
+        self.bytes = weight_bytes(hf_config, dtype)
+
+    def seconds(self, num_tokens: int, context: int = 0) -> float:
+        return max(forward_flops(self.hf_config, num_tokens, context) / self.flops, self.bytes / self.bandwidth)
+
+    def as_dict(self) -> dict:
+        return {"matmul_flops": self.flops, "bandwidth_bytes_per_s": self.bandwidth, "weight_bytes": self.bytes}
+
+
+# ----------------------------------------------------------------- a local `vllm serve` for online runs
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(model_dir: str, extra_args: list[str], log_path: str, timeout: float = 600.0,
+                  env: Optional[dict] = None):
+    """Start `vllm serve model_dir ...` on a free local port and wait for /health.
+    Returns (process, base URL); stop it with `stop_server`."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--port", str(port),
+           "--host", "127.0.0.1", "--disable-uvicorn-access-log", *extra_args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with status {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    print(f"server up at {url} (log: {log_path})")
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(1.0)
+    stop_server(proc)
+    raise RuntimeError(f"vllm serve did not become healthy within {timeout:.0f}s; see {log_path}")
+
+
+def stop_server(proc) -> None:
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def openai_base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def server_root_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url

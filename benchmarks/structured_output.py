@@ -1,8 +1,8 @@
 """Per-step cost of structured outputs: 32 JSON-schema-constrained requests against 32
 unconstrained ones, same prompts, same number of decode steps, in the same run.
 
-    python benchmarks/structured_output.py            # CPU, default model
-    python benchmarks/structured_output.py --granite-8b-dummy
+    python -m benchmarks.structured_output            # CPU, default model
+    python -m benchmarks.structured_output --granite-8b-dummy
 
 Both batches decode exactly `--steps` tokens per request (`ignore_eos`, and a schema
 whose strings cannot end early: an array of free text), so the ratio of the two decode
@@ -12,11 +12,25 @@ application and token acceptance. Goal: under 10%.
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
-import tempfile
 import time
 
-from benchmarks.common import default_device, granite_8b_dummy_dir, print_table, random_prompts, save_json, sync
+from benchmarks.common import (
+    add_model_args,
+    default_device,
+    machine_load,
+    print_table,
+    random_prompts,
+    resolve_model,
+    save_json,
+    sync,
+)
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
@@ -41,23 +55,15 @@ def decode_seconds(llm: LLM, prompts, params: SamplingParams, device: str) -> fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--granite-8b-dummy", action="store_true")
+    add_model_args(parser)
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = default_device()
-    kwargs = dict(max_model_len=1024, enable_prefix_caching=False)
-    if args.granite_8b_dummy:
-        model = granite_8b_dummy_dir(tempfile.mkdtemp())
-        kwargs["load_format"] = "dummy"
-    else:
-        from vllm.model_executor.default_model import ensure_default_model
-
-        model = ensure_default_model()
-    llm = LLM(model, **kwargs)
+    model, kwargs = resolve_model(args)
+    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, **kwargs)
     prompts = [p for p, _ in random_prompts(llm.llm_engine.model_config.vocab_size, args.num_requests,
                                             (args.prompt_len, args.prompt_len), (1, 1))]
     free = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
@@ -76,7 +82,7 @@ def main() -> None:
     ], ("batch", "ms per step", "ratio"))
     print(f"structured-output overhead per step: {100 * (ratio - 1):+.1f}% (goal: under +10%)")
     save_json(args.json, {"device": device, "ms_unconstrained": best["unconstrained"] * 1000,
-                          "ms_constrained": best["constrained"] * 1000, "ratio": ratio})
+                          "ms_constrained": best["constrained"] * 1000, "ratio": ratio, "machine": machine_load()})
 
 
 if __name__ == "__main__":

@@ -35,8 +35,12 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VLLM_CPU_KVCACHE_SPACE": _float_or_none("VLLM_CPU_KVCACHE_SPACE"),
     # Enables /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's name).
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": _bool("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
-    # Force the torch reference ops even on a GPU (debugging, oracles).
+    # Force the torch reference ops: no Triton on a GPU, no oneDNN linears or native
+    # attention kernel on the CPU (debugging, oracles).
     "VLLM_USE_TORCH_REFERENCE_OPS": _bool("VLLM_USE_TORCH_REFERENCE_OPS"),
+    # C++ compiler of torch's extension builder (its name), probed before building the
+    # native CPU attention kernel.
+    "CXX": _str("CXX", "c++"),
     # Refuse network access to the model hub.
     "HF_HUB_OFFLINE": _bool("HF_HUB_OFFLINE"),
     # Where converted models (the default model) are cached.

@@ -1,8 +1,9 @@
 """`Attention`: the model-facing attention layer. It stores this step's keys and
 values into the layer's paged KV cache, then attends over the cache.
 
-The implementation is picked once per device (platforms.use_triton_kernels): Triton
-kernels on CUDA, the torch reference everywhere else. Models never see the choice.
+The implementation is picked once per device (vllm.platforms): Triton kernels on CUDA,
+the native C++ decode kernel on CPU when it builds, the torch reference everywhere else.
+Models never see the choice.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import nn
 
 from vllm.attention.backends import torch_ref
 from vllm.attention.metadata import AttentionMetadata
-from vllm.platforms import use_triton_kernels
+from vllm.platforms import use_native_cpu_attention, use_triton_kernels
 
 
 def _select_ops(device: torch.device):
@@ -20,6 +21,10 @@ def _select_ops(device: torch.device):
         from vllm.attention.backends import triton_backend
 
         return triton_backend.store_kv, triton_backend.paged_attention
+    if use_native_cpu_attention(device):
+        from vllm.attention.backends import cpu_native
+
+        return torch_ref.store_kv, cpu_native.paged_attention
     return torch_ref.store_kv, torch_ref.paged_attention
 
 

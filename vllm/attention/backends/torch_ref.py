@@ -71,28 +71,24 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     return out.reshape(d, num_kv_heads * group, head_size)
 
 
-def paged_attention(
+def prefill_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_size]; rows of prefill sequences are written
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size] (this step's keys)
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+) -> None:
+    """The prefill sequences (num_decodes onwards) of paged_attention, one at a time."""
     num_kv_heads, head_size = kv_cache.shape[-2:]
     block_size = kv_cache.shape[2]
     flat_k = kv_cache[0].view(-1, num_kv_heads, head_size)
     flat_v = kv_cache[1].view(-1, num_kv_heads, head_size)
     gqa = query.shape[1] != num_kv_heads
-    out = torch.empty_like(query)
-
-    d = meta.num_decodes
-    if d:
-        out[:d] = _decode(query, kv_cache, meta, scale)
-
     qsl = meta.query_start_loc_cpu.tolist()
     seq_lens = meta.seq_lens_cpu.tolist()
-    for i in range(d, meta.num_seqs):
+    for i in range(meta.num_decodes, meta.num_seqs):
         start, end, kv_len = qsl[i], qsl[i + 1], seq_lens[i]
         q_len = end - start
         context = kv_len - q_len
@@ -111,4 +107,19 @@ def paged_attention(
             mask = torch.arange(kv_len, device=query.device)[None, :] <= rows  # [q_len, kv_len]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start:end] = o[0].transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size] (this step's keys)
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    out = torch.empty_like(query)
+    d = meta.num_decodes
+    if d:
+        out[:d] = _decode(query, kv_cache, meta, scale)
+    prefill_attention(out, query, key, value, kv_cache, meta, scale)
     return out

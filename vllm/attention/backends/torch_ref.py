@@ -32,14 +32,6 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     flat[1].index_copy_(0, slot_mapping, value)
 
 
-def _flat_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots of positions 0 .. length-1 of one sequence. # [length]"""
-    num_blocks = -(-length // block_size)
-    offsets = torch.arange(block_size, device=block_table_row.device)
-    slots = block_table_row[:num_blocks].long()[:, None] * block_size + offsets
-    return slots.reshape(-1)[:length]
-
-
 def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Block ids [num_decodes * num_blocks], key mask [num_decodes, num_blocks * block_size] and
     num_blocks, shared by every layer of a step. Whole blocks are gathered (one contiguous copy
@@ -81,32 +73,43 @@ def prefill_attention(
     scale: float,
 ) -> None:
     """The prefill sequences (num_decodes onwards) of paged_attention, one at a time."""
-    num_kv_heads, head_size = kv_cache.shape[-2:]
-    block_size = kv_cache.shape[2]
-    flat_k = kv_cache[0].view(-1, num_kv_heads, head_size)
-    flat_v = kv_cache[1].view(-1, num_kv_heads, head_size)
+    num_kv_heads = kv_cache.shape[-2]
     gqa = query.shape[1] != num_kv_heads
     qsl = meta.query_start_loc_cpu.tolist()
     seq_lens = meta.seq_lens_cpu.tolist()
     for i in range(meta.num_decodes, meta.num_seqs):
         start, end, kv_len = qsl[i], qsl[i + 1], seq_lens[i]
-        q_len = end - start
-        context = kv_len - q_len
-        if context == 0:
-            k, v = key[start:end], value[start:end]
-        else:
-            slots = _flat_slots(meta.block_table[i], kv_len, block_size)
-            k, v = flat_k[slots], flat_v[slots]
-        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, kv_len, D]
-        v = v.transpose(0, 1).unsqueeze(0)
-        if context == 0:
+        if kv_len == end - start:  # no cached prefix: the new keys are all there is
+            q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            k = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
+            v = value[start:end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            out[start:end] = o[0].transpose(0, 1)
         else:
-            rows = torch.arange(q_len, device=query.device)[:, None] + context
-            mask = torch.arange(kv_len, device=query.device)[None, :] <= rows  # [q_len, kv_len]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[start:end] = o[0].transpose(0, 1)
+            out[start:end] = _attend_with_context(query[start:end], kv_cache, meta.block_table[i], kv_len, scale)
+
+
+def _attend_with_context(
+    query: torch.Tensor,  # [q_len, H, D], the newest tokens of a sequence of kv_len tokens
+    kv_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    kv_len: int,
+    scale: float,
+) -> torch.Tensor:  # [q_len, H, D]
+    """New tokens on top of a cached prefix (chunked prefill, an aLoRA's few tokens after a
+    long conversation): whole blocks are gathered (one contiguous copy per block), query
+    token j attends to positions 0 .. kv_len - q_len + j."""
+    q_len, num_heads, head_size = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    blocks = block_table_row[: -(-kv_len // block_size)].long()
+    k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_size)[:kv_len]  # [kv_len, Hkv, D]
+    v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_size)[:kv_len]
+    positions = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+    mask = torch.arange(kv_len, device=query.device)[None, :] <= positions  # [q_len, kv_len]
+    o = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                       v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+                                       enable_gqa=num_heads != num_kv_heads)  # [1, H, q_len, D]
+    return o[0].transpose(0, 1)
 
 
 def paged_attention(

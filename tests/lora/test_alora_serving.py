@@ -100,6 +100,9 @@ def test_bad_adapters_are_clear_errors(lora_llm, adapters, checkpoints, tmp_path
                             "modules_to_save"),
         "rank": (make_adapter(checkpoints["llama"], str(tmp_path / "rank16"), ALL_LINEAR, r=16), "max_lora_rank"),
         "shapes": (make_adapter(checkpoints["qwen3"], str(tmp_path / "qwen3"), ["q_proj"], r=4), "does not fit"),
+        "embedding": (make_adapter(checkpoints["llama"], str(tmp_path / "emb"), ["embed_tokens", "q_proj"], r=4),
+                      "only lora_A / lora_B of linear layers"),
+        "lm_head": (make_adapter(checkpoints["llama"], str(tmp_path / "head"), ["lm_head"], r=4), "lm_head"),
     }
     for i, (name, (path, match)) in enumerate(cases.items()):
         request = LoRARequest(f"bad_{name}", 100 + i, path)

@@ -7,6 +7,7 @@ from vllm import LLM, SamplingParams
 
 
 def _check(out, ref):
+    """Greedy tokens identical and logprobs within 1e-4 of the PEFT reference."""
     tokens, logprobs = ref
     completion = out.outputs[0]
     assert completion.token_ids == tokens
@@ -62,3 +63,25 @@ def test_alora_without_adapter_tokens_before_invocation_is_base(lora_llm, lora_r
     for p in range(1, start + 1):  # logits at positions < start predict tokens 1..start
         assert base[p][ids[p]].logprob == alora[p][ids[p]].logprob
     assert any(base[p][ids[p]].logprob != alora[p][ids[p]].logprob for p in range(start + 1, len(ids)))
+
+
+def test_rslora_regex_targets_and_bin_weights_match_peft(llama_dir, tmp_path, peft_reference, tokenizer):
+    """use_rslora scaling, a regex target_modules, and weights stored as adapter_model.bin."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.utils.adapters import load_peft_model, make_adapter
+    from tests.utils.reference import hf_greedy
+    from vllm.lora.request import LoRARequest
+
+    path = make_adapter(llama_dir, str(tmp_path / "rs"), r".*\.(q_proj|v_proj|down_proj)", r=4, lora_alpha=8,
+                        seed=21, use_rslora=True)
+    bin_path = tmp_path / "rs_bin"
+    bin_path.mkdir()
+    (bin_path / "adapter_config.json").write_text((tmp_path / "rs" / "adapter_config.json").read_text())
+    torch.save(load_file(str(tmp_path / "rs" / "adapter_model.safetensors")), bin_path / "adapter_model.bin")
+    llm = LLM(llama_dir, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    ids = tokenizer.encode("What is the capital of France? The capital")
+    reference = hf_greedy(load_peft_model(llama_dir, path), ids, 10)
+    for i, adapter in enumerate((path, str(bin_path))):
+        _check(generate_one(llm, ids, LoRARequest(f"rs{i}", i + 1, adapter)), reference)

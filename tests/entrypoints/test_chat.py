@@ -159,3 +159,15 @@ def test_structured_outputs(client, fields, check):
         assert content in ("yes", "no")
     else:
         assert check(json.loads(content))
+
+
+def test_structured_outputs_streaming(client):
+    stream = client.chat.completions.create(
+        model="alora_answerability", messages=MODEL_MESSAGES["alora_answerability"], temperature=0.0,
+        max_completion_tokens=40, stream=True,
+        extra_body={"structured_outputs": {"json": {"type": "string", "enum": ["answerable", "unanswerable"]}}},
+    )
+    chunks = [c for c in stream if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert json.loads(content) in ("answerable", "unanswerable")
+    assert chunks[-1].choices[0].finish_reason == "stop"

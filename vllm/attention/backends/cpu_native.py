@@ -104,17 +104,11 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: tor
     torch.ops.vllm_cpu.paged_decode_attention(out, query, kv_cache, block_table, seq_lens, scale)
 
 
-def paged_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size] (this step's keys)
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-    out = torch.empty_like(query)
+def _decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> None:
     d = meta.num_decodes
-    if d:
-        paged_decode_attention(out[:d], query[:d], kv_cache, meta.block_table, meta.seq_lens, scale)
-    torch_ref.prefill_attention(out, query, key, value, kv_cache, meta, scale)
-    return out
+    paged_decode_attention(out[:d], query[:d], kv_cache, meta.block_table, meta.seq_lens, scale)
+
+
+# torch_ref's paged attention with the decode rows on the native kernel.
+paged_attention = functools.partial(torch_ref.paged_attention, decode=_decode_attention)

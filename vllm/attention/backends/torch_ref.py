@@ -15,6 +15,8 @@ with no cached prefix reads the new keys and values directly, without a gather.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -112,6 +114,15 @@ def _attend_with_context(
     return o[0].transpose(0, 1)
 
 
+def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> None:
+    """Writes out[:num_decodes], the decode rows of paged_attention."""
+    out[: meta.num_decodes] = _decode(query, kv_cache, meta, scale)
+
+
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], None]
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size] (this step's keys)
@@ -119,10 +130,11 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     meta: AttentionMetadata,
     scale: float,
+    decode: DecodeFn = decode_attention,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    """`decode` computes the decode rows (a native kernel may stand in for the reference)."""
     out = torch.empty_like(query)
-    d = meta.num_decodes
-    if d:
-        out[:d] = _decode(query, kv_cache, meta, scale)
+    if meta.num_decodes:
+        decode(out, query, kv_cache, meta, scale)
     prefill_attention(out, query, key, value, kv_cache, meta, scale)
     return out

@@ -12,7 +12,7 @@ after that they never change. Invariants checked here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -97,15 +97,7 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-
-@dataclass(frozen=True)
-class CompilationConfig:
-    """CUDA-graph capture of decode batches (GPU only)."""
-
-    enforce_eager: bool = False
-    cudagraph_capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    device: torch.device
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,4 +107,3 @@ class VllmConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     lora_config: Optional[LoRAConfig] = None
-    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)

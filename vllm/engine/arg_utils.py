@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from vllm import envs
 from vllm.config import (
     CacheConfig,
-    CompilationConfig,
     DeviceConfig,
     LoRAConfig,
     ModelConfig,
@@ -66,7 +64,8 @@ class EngineArgs:
     max_loras: int = field(default=1, metadata=_help("Adapters resident in one batch."))
     max_lora_rank: int = field(default=16, metadata=_help("Largest adapter rank accepted."))
     max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Adapters cached in host memory (>= max_loras)."))
-    enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "Accepted for vLLM compatibility; every step runs eagerly (CUDA graphs are not implemented yet)."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log engine statistics."))
 
     def create_engine_config(self, usage: str = "llm") -> VllmConfig:
@@ -118,7 +117,6 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(platform.device()),
             lora_config=self._lora_config(),
-            compilation_config=CompilationConfig(enforce_eager=self.enforce_eager or not platform.is_cuda),
         )
 
     def _resolve_model_dir(self, resolve_model_dir) -> str:
@@ -195,9 +193,3 @@ def _base_type(hint: Any) -> type:
     if get_origin(hint) is Union:
         hint = next(a for a in get_args(hint) if a is not type(None))
     return hint
-
-
-def parse_json_or_kv(value: str) -> Union[dict, str]:
-    """Helper for flags that accept JSON objects (e.g. --lora-modules)."""
-    value = value.strip()
-    return json.loads(value) if value.startswith("{") else value

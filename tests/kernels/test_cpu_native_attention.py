@@ -1,8 +1,10 @@
-"""The native CPU decode kernel (csrc/cpu/paged_attention.cpp) vs the torch reference, its
-oracle: decode batches with shuffled block ids and noise in unused blocks, lengths of 1 and
-exact multiples of the block size, GQA ratios 1-4, head sizes 16/64/128, block sizes 8/16,
-fp32 (tight) and bf16/fp16 (loose, against fp32 on the same rounded inputs); mixed batches
-through the backend; and greedy generation equal to VLLM_USE_TORCH_REFERENCE_OPS=1.
+"""The native CPU attention kernel (csrc/cpu/paged_attention.cpp) vs the torch reference, its
+oracle: decodes and short prefills on a cached prefix (an aLoRA's few tokens over a long
+conversation) with shuffled block ids and noise in unused blocks, lengths of 1 and exact
+multiples of the block size, query runs split across tasks, GQA ratios 1-4, head sizes
+16/40/64/128, block sizes 8/12/16, fp32 (tight) and bf16/fp16 (loose, against fp32 on the same
+rounded inputs); sequences above max_query_len left alone; mixed batches through the
+backend; and greedy generation equal to VLLM_USE_TORCH_REFERENCE_OPS=1.
 
 Every test skips, with the build error as its reason, where the kernel cannot be built."""
 
@@ -29,9 +31,10 @@ def decode_specs(lengths):
     return [(n - 1, 1) for n in lengths]
 
 
-def run_native(query, cache, meta, scale):
-    out = torch.full_like(query[: meta.num_decodes], float("nan"))
-    cpu_native.paged_decode_attention(out, query, cache, meta.block_table, meta.seq_lens, scale)
+def run_native(query, cache, meta, scale, max_query_len=cpu_native.MAX_QUERY_LEN, fill=float("nan")):
+    out = torch.full_like(query[: meta.num_actual_tokens], fill)
+    cpu_native.paged_attention_rows(out, query, cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
+                                    max_query_len, scale)
     return out
 
 
@@ -47,11 +50,43 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_size, block_size
     torch.testing.assert_close(run_native(query, cache, meta, scale), ref, atol=1e-5, rtol=1e-5)
 
 
+# (context_len, query_len): decodes first, then fresh prompts, runs of 2-3 tokens (dot products
+# on the keys in place), runs long enough to transpose key blocks, runs split over several tasks
+# (> 16 tokens), and query ends on and just past block boundaries.
+SHORT = [(0, 1), (40, 1), (0, 2), (7, 3), (0, 9), (37, 20), (5, 70), (16, 16), (63, 17), (300, 33), (1, 40)]
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    [(4, 4, 16, 16), (4, 2, 64, 16), (8, 2, 16, 8), (6, 2, 40, 12), (8, 2, 128, 16), (9, 3, 64, 16), (3, 1, 64, 8)],
+)
+def test_short_prefills_on_a_cached_prefix_match_reference(num_heads, num_kv_heads, head_size, block_size):
+    query, key, value, cache, meta = make_batch(SHORT, num_heads, num_kv_heads, head_size, block_size,
+                                                seed=head_size + num_heads)
+    scale = head_size**-0.5
+    ref, cache = reference(query, key, value, cache, meta, scale)
+    torch.testing.assert_close(run_native(query, cache, meta, scale), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_sequences_above_max_query_len_are_not_written():
+    query, key, value, cache, meta = make_batch(SHORT, 8, 2, 64, 16, seed=4)
+    ref, cache = reference(query, key, value, cache, meta, 0.125)
+    out = run_native(query, cache, meta, 0.125, max_query_len=16, fill=7.0)
+    qsl = meta.query_start_loc_cpu.tolist()
+    for i, (_, q_len) in enumerate(SHORT):
+        rows = slice(qsl[i], qsl[i + 1])
+        if q_len <= 16:
+            torch.testing.assert_close(out[rows], ref[rows], atol=2e-5, rtol=2e-5)
+        else:
+            assert torch.all(out[rows] == 7.0), f"sequence {i} ({q_len} tokens) was written"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_accumulates_in_fp32(dtype):
     """Oracle: fp32 attention over the same rounded inputs; the only error allowed is the
     final rounding of the output (and fp32 summation order)."""
-    query, key, value, cache, meta = make_batch(decode_specs([1, 16, 33, 250, 300]), 9, 3, 64, 16, dtype=dtype, seed=5)
+    specs = decode_specs([1, 16, 33, 250, 300]) + [(120, 5), (64, 24)]
+    query, key, value, cache, meta = make_batch(specs, 9, 3, 64, 16, dtype=dtype, seed=5)
     scale = 0.125
     ref, _ = reference(query.float(), key.float(), value.float(), cache.float(), meta, scale)
     torch_ref.store_kv(key, value, cache, meta.slot_mapping)
@@ -61,56 +96,86 @@ def test_half_precision_accumulates_in_fp32(dtype):
 
 
 def test_mixed_batch_through_backend():
-    """Decodes run natively, prefills (fresh and on a cached prefix) run torch_ref."""
+    """Decodes and short prefills run natively, longer prefills run torch_ref."""
     query, key, value, cache, meta = make_batch(MIXED, 8, 2, 64, 16, seed=7)
     ref, cache = reference(query, key, value, cache, meta, 0.125)
     n = meta.num_actual_tokens
     out = cpu_native.paged_attention(query[:n], key[:n], value[:n], cache, meta, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    d = meta.num_decodes
-    assert torch.equal(out[d:], ref[d:])
+
+
+def test_long_prefills_still_run_the_reference(monkeypatch):
+    """With MAX_QUERY_LEN below a sequence's query length, that sequence's rows are torch_ref's
+    exactly (the same ops on the same inputs)."""
+    monkeypatch.setattr(cpu_native, "MAX_QUERY_LEN", 8)
+    query, key, value, cache, meta = make_batch(MIXED, 8, 2, 64, 16, seed=8)
+    ref, cache = reference(query, key, value, cache, meta, 0.125)
+    n = meta.num_actual_tokens
+    out = cpu_native.paged_attention(query[:n], key[:n], value[:n], cache, meta, 0.125)
+    qsl = meta.query_start_loc_cpu.tolist()
+    for i, (_, q_len) in enumerate(MIXED):
+        rows = slice(qsl[i], qsl[i + 1])
+        if q_len > 8:
+            assert torch.equal(out[rows], ref[rows])
+        else:
+            torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
 
 
 def test_strided_query_and_output_views():
     """The layer hands in views of a fused qkv projection (token stride > H * D); out rows
     may be a slice of a larger buffer."""
-    query, key, value, cache, meta = make_batch(decode_specs([5, 40, 17]), 4, 2, 32, 16, seed=3)
+    query, key, value, cache, meta = make_batch(decode_specs([5, 40, 17]) + [(30, 6)], 4, 2, 32, 16, seed=3)
     ref, cache = reference(query, key, value, cache, meta, 0.25)
     n = meta.num_actual_tokens
     qkv = torch.cat([query.reshape(n, -1), key.reshape(n, -1), value.reshape(n, -1)], dim=1)
     q = qkv[:, : 4 * 32].view(n, 4, 32)
     buffer = torch.zeros(n, 4, 48)
-    cpu_native.paged_decode_attention(buffer[:, :, 8:40], q, cache, meta.block_table, meta.seq_lens, 0.25)
+    cpu_native.paged_attention_rows(buffer[:, :, 8:40], q, cache, meta.block_table, meta.seq_lens,
+                                    meta.query_start_loc, 64, 0.25)
     torch.testing.assert_close(buffer[:, :, 8:40], ref, atol=1e-5, rtol=1e-5)
     assert torch.count_nonzero(buffer[:, :, :8]) == 0 and torch.count_nonzero(buffer[:, :, 40:]) == 0
 
 
 def test_thread_count_does_not_change_results():
-    """Each (sequence, KV head) task is computed whole by one thread: results are bitwise
-    independent of torch.set_num_threads."""
-    query, key, value, cache, meta = make_batch(decode_specs([3, 70, 129, 64, 200, 1]), 6, 3, 64, 16, seed=11)
+    """How tasks are split follows the thread count, but each row's arithmetic does not:
+    results are bitwise independent of torch.set_num_threads."""
+    specs = decode_specs([3, 70, 129, 64, 200, 1]) + [(300, 20), (17, 33)]
+    query, key, value, cache, meta = make_batch(specs, 6, 3, 64, 16, seed=11)
     _, cache = reference(query, key, value, cache, meta, 0.125)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        single = run_native(query, cache, meta, 0.125)
-        torch.set_num_threads(max(2, threads))
-        multi = run_native(query, cache, meta, 0.125)
+        results = []
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            results.append(run_native(query, cache, meta, 0.125))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(single, multi)
+    assert all(torch.equal(results[0], r) for r in results[1:])
 
 
-def test_rejects_lengths_and_blocks_outside_the_cache():
-    query, key, value, cache, meta = make_batch(decode_specs([10, 20]), 4, 2, 16, 8, seed=2)
+def test_rejects_lengths_ranges_and_blocks_outside_the_cache():
+    query, key, value, cache, meta = make_batch(decode_specs([10, 20]) + [(5, 3)], 4, 2, 16, 8, seed=2)
+    out = torch.empty(5, 4, 16)
+
+    def call(seq_lens=meta.seq_lens, block_table=meta.block_table, qsl=meta.query_start_loc):
+        cpu_native.paged_attention_rows(out, query, cache, block_table, seq_lens, qsl, 64, 0.25)
+
     too_long = meta.seq_lens.clone()
     too_long[1] = meta.block_table.shape[1] * 8 + 1
     with pytest.raises(RuntimeError, match="seq_lens"):
-        cpu_native.paged_decode_attention(torch.empty(2, 4, 16), query, cache, meta.block_table, too_long, 0.25)
+        call(seq_lens=too_long)
+    shorter_than_query = meta.seq_lens.clone()
+    shorter_than_query[2] = 2  # three query tokens cannot sit in a sequence of two
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        call(seq_lens=shorter_than_query)
     bad_table = meta.block_table.clone()
     bad_table[0, 1] = cache.shape[1]
     with pytest.raises(RuntimeError, match="block_table"):
-        cpu_native.paged_decode_attention(torch.empty(2, 4, 16), query, cache, bad_table, meta.seq_lens, 0.25)
+        call(block_table=bad_table)
+    past_the_query = meta.query_start_loc.clone()
+    past_the_query[-1] = query.shape[0] + 1
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        call(qsl=past_the_query)
 
 
 def _greedy(llm, prompts):

@@ -2,7 +2,8 @@
 values into the layer's paged KV cache, then attends over the cache.
 
 The implementation is picked once per device (vllm.platforms): Triton kernels on CUDA,
-the native C++ decode kernel on CPU when it builds, the torch reference everywhere else.
+the native C++ kernel on CPU when it builds (decodes and short prefills; long prefills
+stay on the torch reference), the torch reference everywhere else.
 Models never see the choice.
 """
 

@@ -10,7 +10,8 @@ Semantics (see vllm/attention/metadata.py for the layout):
                   head h // (num_heads // num_kv_heads).
 
 Decodes are computed as one padded batch of whole blocks; prefills one sequence at a time. A prefill
-with no cached prefix reads the new keys and values directly, without a gather.
+with no cached prefix reads the new keys and values directly, without a gather. A backend may hand
+the sequences with few query tokens to a faster kernel (`short`); the rest still run here.
 """
 
 from __future__ import annotations
@@ -73,14 +74,18 @@ def prefill_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     meta: AttentionMetadata,
     scale: float,
+    min_query_len: int = 1,
 ) -> None:
-    """The prefill sequences (num_decodes onwards) of paged_attention, one at a time."""
+    """The sequences num_decodes onwards of paged_attention with at least `min_query_len` query
+    tokens, one at a time."""
     num_kv_heads = kv_cache.shape[-2]
     gqa = query.shape[1] != num_kv_heads
     qsl = meta.query_start_loc_cpu.tolist()
     seq_lens = meta.seq_lens_cpu.tolist()
     for i in range(meta.num_decodes, meta.num_seqs):
         start, end, kv_len = qsl[i], qsl[i + 1], seq_lens[i]
+        if end - start < min_query_len:
+            continue
         if kv_len == end - start:  # no cached prefix: the new keys are all there is
             q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             k = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
@@ -115,12 +120,16 @@ def _attend_with_context(
 
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float) -> None:
-    """Writes out[:num_decodes], the decode rows of paged_attention."""
-    out[: meta.num_decodes] = _decode(query, kv_cache, meta, scale)
+                     scale: float) -> int:
+    """Writes out[:num_decodes], the decode rows of paged_attention, and nothing else (returns 0)."""
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode(query, kv_cache, meta, scale)
+    return 0
 
 
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], None]
+# (out, query, kv_cache, meta, scale) -> n: computes the decode rows (sequences 0:num_decodes) and
+# those of every later sequence with at most n query tokens, and returns n (0: only the decodes).
+ShortFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], int]
 
 
 def paged_attention(
@@ -130,11 +139,11 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     meta: AttentionMetadata,
     scale: float,
-    decode: DecodeFn = decode_attention,
+    short: ShortFn = decode_attention,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-    """`decode` computes the decode rows (a native kernel may stand in for the reference)."""
+    """`short` computes the sequences with few query tokens (a native kernel may stand in for
+    the reference decode); the longer ones run prefill_attention."""
     out = torch.empty_like(query)
-    if meta.num_decodes:
-        decode(out, query, kv_cache, meta, scale)
-    prefill_attention(out, query, key, value, kv_cache, meta, scale)
+    computed = short(out, query, kv_cache, meta, scale)
+    prefill_attention(out, query, key, value, kv_cache, meta, scale, min_query_len=computed + 1)
     return out

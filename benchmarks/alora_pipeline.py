@@ -15,9 +15,15 @@ same run, on fresh conversations of the same length, interleaved round by round:
 
 A running server must serve the adapters as `alora-<name>` and `lora-<name>` (names:
 certainty, answerability, hallucination, ...); `--write-adapters DIR` writes them and
-prints the `vllm serve` command. Online, `--concurrency` clients each run whole
-pipelines, so the server batches across conversations; calls stream (openai package)
-and the time to first token is the first streamed chunk.
+prints the `vllm serve` command. Calls stream (openai package) and the time to first
+token is the first streamed chunk.
+
+`--concurrency C` runs conversations in rounds of C per mode: offline, each stage of a
+round (the base turns, then each intrinsic) is one `LLM.generate` call over the C
+conversations, as a batch evaluation over a data set runs; online, C clients each run
+a whole pipeline, so the server batches across conversations. Time per conversation is
+then the rounds' wall time over the conversations (throughput), next to the latency of
+one pipeline.
 
 Intrinsics run one after another (an evaluation pipeline), so the time after k of them
 gives the plot of pipeline time against the number of intrinsics (`--plot`);
@@ -75,7 +81,8 @@ MODES = ("alora", "lora", "base")
 class Call:
     mode: str
     conversation: int
-    step: int  # 0: the base turn; k >= 1: the k-th intrinsic
+    round: int  # calls of one round and step run together (one batch offline, in flight together online)
+    step: int  # 0: the base turn; k >= 1: the k-th intrinsic (1: all of them with --parallel-intrinsics)
     name: str
     prompt_tokens: int
     cached_tokens: int
@@ -90,6 +97,14 @@ class Pipeline:
     conversation: int
     seconds: float  # end to end
     after_k: list[float]  # time when the base turn and then each intrinsic was done
+
+
+@dataclass
+class Round:
+    mode: str
+    index: int
+    conversations: int
+    seconds: float  # wall time of the round, all its conversations' pipelines
 
 
 class Setup:
@@ -132,7 +147,7 @@ class OfflineRunner:
         args = setup.args
         self.setup = setup
         self.llm = LLM(model_dir, enable_lora=True, max_loras=2 * args.num_intrinsics, max_lora_rank=args.rank,
-                       max_model_len=max(4096, args.context_len + args.answer_len + 64), **kwargs)
+                       max_model_len=max_model_len(args), **kwargs)
         self.dtype = self.llm.llm_engine.model_config.dtype
         paths = setup.write_adapters(root, self.dtype)
         self.requests = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(sorted(paths.items()))}
@@ -150,43 +165,40 @@ class OfflineRunner:
         sync(self.device)
         return outputs, time.perf_counter() - start
 
-    def _calls(self, mode, index, step0, names, outputs, seconds) -> list[Call]:
-        return [Call(mode, index, step0 + j, name, len(o.prompt_token_ids), o.num_cached_tokens,
-                     len(o.outputs[0].token_ids), o.metrics.time_to_first_token, seconds)
-                for j, (name, o) in enumerate(zip(names, outputs))]
-
-    def pipeline(self, mode: str, index: int, conversation: list[int]) -> tuple[Pipeline, list[Call]]:
+    def round(self, mode: str, number: int, indices: list[int]) -> tuple[Round, list[Pipeline], list[Call]]:
+        """The pipelines of `indices`' conversations, each stage one batch over all of them."""
         s, args = self.setup, self.setup.args
+        conversations = [s.conversation(mode, i) for i in indices]
         if args.context_cached:  # an earlier turn left the context in the cache (untimed)
-            self._generate([conversation[:-args.new_turn_len]], 1, [None])
-        start = time.perf_counter()
-        outputs, seconds = self._generate([conversation], args.answer_len, [None])
-        calls = self._calls(mode, index, 0, ["base turn"], outputs, seconds)
-        answer = list(outputs[0].outputs[0].token_ids)
-        after = [time.perf_counter() - start]
-        prompts = [s.intrinsic_prompt(conversation, answer, k) for k in range(args.num_intrinsics)]
-        adapters = [s.adapter_name(mode, k) for k in range(args.num_intrinsics)]
-        if args.parallel_intrinsics:
-            outputs, seconds = self._generate(prompts, args.intrinsic_len, adapters)
-            calls += self._calls(mode, index, 1, s.names, outputs, seconds)
-            after.append(time.perf_counter() - start)
-        else:
-            for k in range(args.num_intrinsics):
-                outputs, seconds = self._generate([prompts[k]], args.intrinsic_len, [adapters[k]])
-                calls += self._calls(mode, index, 1 + k, [s.names[k]], outputs, seconds)
-                after.append(time.perf_counter() - start)
-        return Pipeline(mode, index, after[-1], after), calls
+            self._generate([c[:-args.new_turn_len] for c in conversations], 1, [None] * len(indices))
+        calls: list[Call] = []
 
-    def run(self, modes, bar) -> tuple[list[Pipeline], list[Call]]:
-        pipelines, calls = [], []
+        def stage(step, prompts, max_tokens, adapters, names, owners):
+            outputs, seconds = self._generate(prompts, max_tokens, adapters)
+            calls.extend(Call(mode, i, number, step, name, len(o.prompt_token_ids), o.num_cached_tokens,
+                              len(o.outputs[0].token_ids), o.metrics.time_to_first_token, seconds)
+                         for i, name, o in zip(owners, names, outputs))
+            return outputs
+
+        start = time.perf_counter()
+        outputs = stage(0, conversations, args.answer_len, [None] * len(indices), ["base turn"] * len(indices),
+                        indices)
+        answers = [list(o.outputs[0].token_ids) for o in outputs]
+        after = [time.perf_counter() - start]
+        jobs = [(k, i, s.intrinsic_prompt(c, a, k)) for k in range(args.num_intrinsics)
+                for i, c, a in zip(indices, conversations, answers)]
+        groups = [jobs] if args.parallel_intrinsics else \
+            [[j for j in jobs if j[0] == k] for k in range(args.num_intrinsics)]
+        for step, group in enumerate(groups, start=1):
+            stage(step, [p for _, _, p in group], args.intrinsic_len, [s.adapter_name(mode, k) for k, _, _ in group],
+                  [s.names[k] for k, _, _ in group], [i for _, i, _ in group])
+            after.append(time.perf_counter() - start)
+        pipelines = [Pipeline(mode, i, after[-1], after) for i in indices]
+        return Round(mode, number, len(indices), after[-1]), pipelines, calls
+
+    def run(self, modes, bar) -> tuple[list[Round], list[Pipeline], list[Call]]:
         self.llm.llm_engine.engine_core.reset_prefix_cache()
-        for index in range(self.setup.args.num_conversations):
-            for mode in modes:
-                p, c = self.pipeline(mode, index, self.setup.conversation(mode, index))
-                pipelines.append(p)
-                calls += c
-                bar.update(1)
-        return pipelines, calls
+        return run_rounds(self.setup.args, modes, self.round, bar)
 
     def warm_up(self, modes) -> None:
         """Every adapter loaded and every path run once, on a short conversation."""
@@ -225,7 +237,7 @@ class OnlineRunner:
         self.base = next((m.id for m in models.data if getattr(m, "parent", None) in (None, m.id)
                           and m.id not in needed), ids[0])
 
-    async def call(self, mode, index, step, name, prompt, max_tokens, adapter) -> tuple[Call, str]:
+    async def call(self, mode, index, number, step, name, prompt, max_tokens, adapter) -> tuple[Call, str]:
         start = time.perf_counter()
         stream = await self.client.completions.create(
             model=adapter or self.base, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
@@ -241,16 +253,18 @@ class OnlineRunner:
         latency = time.perf_counter() - start
         details = getattr(usage, "prompt_tokens_details", None)
         cached = (getattr(details, "cached_tokens", None) or 0) if details else 0
-        return Call(mode, index, step, name, usage.prompt_tokens if usage else len(prompt), cached,
+        return Call(mode, index, number, step, name, usage.prompt_tokens if usage else len(prompt), cached,
                     usage.completion_tokens if usage else 0, ttft if ttft is not None else latency, latency), \
             "".join(text)
 
-    async def pipeline(self, mode: str, index: int, conversation: list[int]) -> tuple[Pipeline, list[Call]]:
+    async def pipeline(self, mode: str, number: int, index: int) -> tuple[Pipeline, list[Call]]:
         s, args = self.setup, self.setup.args
+        conversation = s.conversation(mode, index)
         if args.context_cached:  # an earlier turn left the context in the cache (untimed)
-            await self.call(mode, index, -1, "earlier turn", conversation[:-args.new_turn_len], 1, None)
+            await self.call(mode, index, number, -1, "earlier turn", conversation[:-args.new_turn_len], 1, None)
         start = time.perf_counter()
-        base_call, answer_text = await self.call(mode, index, 0, "base turn", conversation, args.answer_len, None)
+        base_call, answer_text = await self.call(mode, index, number, 0, "base turn", conversation, args.answer_len,
+                                                 None)
         calls = [base_call]
         # A client sends text back: re-encode the answer (the cache matches up to any difference).
         answer = s.tokenizer.encode(answer_text, add_special_tokens=False)
@@ -258,60 +272,76 @@ class OnlineRunner:
         jobs = [(1 + k, s.names[k], s.intrinsic_prompt(conversation, answer, k), s.adapter_name(mode, k))
                 for k in range(args.num_intrinsics)]
         if args.parallel_intrinsics:
-            results = await asyncio.gather(*[self.call(mode, index, st, n, p, args.intrinsic_len, a)
-                                             for st, n, p, a in jobs])
+            results = await asyncio.gather(*[self.call(mode, index, number, 1, n, p, args.intrinsic_len, a)
+                                             for _, n, p, a in jobs])
             calls += [c for c, _ in results]
             after.append(time.perf_counter() - start)
         else:
             for st, n, p, a in jobs:
-                c, _ = await self.call(mode, index, st, n, p, args.intrinsic_len, a)
+                c, _ = await self.call(mode, index, number, st, n, p, args.intrinsic_len, a)
                 calls.append(c)
                 after.append(time.perf_counter() - start)
         return Pipeline(mode, index, after[-1], after), calls
 
-    async def run_async(self, modes, bar) -> tuple[list[Pipeline], list[Call]]:
-        args = self.setup.args
-        await self.check_models()
-        pipelines, calls = [], []
-        for first in range(0, args.num_conversations, args.concurrency):
-            for mode in modes:  # rounds of `concurrency` conversations, modes interleaved
-                indices = range(first, min(first + args.concurrency, args.num_conversations))
-                results = await asyncio.gather(*[self.pipeline(mode, i, self.setup.conversation(mode, i))
-                                                 for i in indices])
-                for p, c in results:
-                    pipelines.append(p)
-                    calls += c
-                    bar.update(1)
-        return pipelines, calls
+    async def round(self, mode: str, number: int, indices: list[int]) -> tuple[Round, list[Pipeline], list[Call]]:
+        """`indices`' conversations, one client each, all in flight together."""
+        start = time.perf_counter()
+        results = await asyncio.gather(*[self.pipeline(mode, number, i) for i in indices])
+        seconds = time.perf_counter() - start
+        return Round(mode, number, len(indices), seconds), [p for p, _ in results], [c for _, cs in results for c in cs]
 
-    async def warm_up_async(self, modes) -> None:
+    async def warm_up(self, modes) -> None:
         await self.check_models()
         s = self.setup
         for mode in modes:
             conv = conversation_ids(s.tokenizer, s.hf_config.vocab_size, 64, seed=-1 - MODES.index(mode))
-            _, text = await self.call(mode, -1, 0, "warm-up", conv, 4, None)
+            _, text = await self.call(mode, -1, -1, 0, "warm-up", conv, 4, None)
             answer = s.tokenizer.encode(text, add_special_tokens=False)
-            await asyncio.gather(*[self.call(mode, -1, 1 + k, "warm-up", s.intrinsic_prompt(conv, answer, k), 2,
+            await asyncio.gather(*[self.call(mode, -1, -1, 1 + k, "warm-up", s.intrinsic_prompt(conv, answer, k), 2,
                                              s.adapter_name(mode, k)) for k in range(s.args.num_intrinsics)])
 
-    def run(self, modes, bar):
-        async def both():
-            await self.warm_up_async(modes)
-            return await self.run_async(modes, bar)
+    def run(self, modes, bar) -> tuple[list[Round], list[Pipeline], list[Call]]:
+        loop = asyncio.new_event_loop()  # one loop for the client's whole life
+        try:
+            loop.run_until_complete(self.warm_up(modes))
+            return run_rounds(self.setup.args, modes,
+                              lambda mode, number, indices: loop.run_until_complete(self.round(mode, number, indices)),
+                              bar)
+        finally:
+            loop.close()
 
-        return asyncio.run(both())
+
+def run_rounds(args, modes, play, bar) -> tuple[list[Round], list[Pipeline], list[Call]]:
+    """Rounds of `--concurrency` conversations; within a round every mode plays its own
+    fresh conversations of the same length, one mode after another, so no mode inherits
+    another's cache and a drift of the machine's speed hits all modes alike."""
+    rounds, pipelines, calls = [], [], []
+    for number, first in enumerate(range(0, args.num_conversations, args.concurrency)):
+        indices = list(range(first, min(first + args.concurrency, args.num_conversations)))
+        for mode in modes:
+            r, p, c = play(mode, number, indices)
+            rounds.append(r)
+            pipelines += p
+            calls += c
+            bar.update(len(indices))
+    return rounds, pipelines, calls
 
 
 # ------------------------------------------------------------------ report
-def call_floor(floor: Floor, c: Call) -> float:
-    """The floor of one call: its prefill of the uncached prompt tokens, then one decode
-    step per further output token."""
-    new = max(1, c.prompt_tokens - c.cached_tokens)
-    return floor.seconds(new, c.cached_tokens) + sum(floor.seconds(1, c.prompt_tokens + j)
-                                                     for j in range(c.output_tokens - 1))
+def stage_floor(floor: Floor, calls: list[Call]) -> float:
+    """The floor of calls that run together (one stage of a round): the prefill of every
+    uncached prompt token, then one decode step per further output token of the longest,
+    each step reading the weights once and the KV of every sequence still decoding."""
+    prefill = floor.prefill_seconds([(max(1, c.prompt_tokens - c.cached_tokens), c.cached_tokens) for c in calls])
+    decode = sum(floor.decode_seconds([c.prompt_tokens + j for c in calls if j < c.output_tokens - 1])
+                 for j in range(max(c.output_tokens for c in calls) - 1))
+    return prefill + decode
 
 
-def summarize(pipelines: list[Pipeline], calls: list[Call], modes, floor: Optional[Floor], num_intrinsics: int) -> dict:
+def summarize(rounds: list[Round], pipelines: list[Pipeline], calls: list[Call], modes, floor: Optional[Floor]) -> dict:
+    """Per mode: intrinsic TTFT percentiles, pipeline latency, seconds per conversation
+    (the rounds' wall time over their conversations), cache reuse and, with a floor, the
+    same figures at this machine's floor; then the LoRA / aLoRA ratios."""
     summary = {}
     for mode in modes:
         mine = [c for c in calls if c.mode == mode]
@@ -320,12 +350,15 @@ def summarize(pipelines: list[Pipeline], calls: list[Call], modes, floor: Option
         prompt = sum(c.prompt_tokens for c in mine)
         cached = sum(c.cached_tokens for c in mine)
         runs = [p for p in pipelines if p.mode == mode]
+        my_rounds = [r for r in rounds if r.mode == mode]
+        conversations = sum(r.conversations for r in my_rounds)
         curve = [statistics.mean(p.after_k[k] for p in runs) for k in range(len(runs[0].after_k))]
         row = {
             "intrinsic_ttft_p50": percentile(ttfts, 50), "intrinsic_ttft_p90": percentile(ttfts, 90),
             "base_turn_ttft_p50": percentile([c.ttft for c in mine if c.step == 0], 50),
             "pipeline_seconds_mean": statistics.mean(p.seconds for p in runs),
             "pipeline_seconds_p50": percentile([p.seconds for p in runs], 50),
+            "seconds_per_conversation": sum(r.seconds for r in my_rounds) / conversations,
             "pipeline_after_k_mean": curve,
             "prefix_cache_hit_rate": cached / prompt if prompt else 0.0,
             "intrinsic_hit_rate": sum(c.cached_tokens for c in intrinsic) / max(1, sum(c.prompt_tokens for c in intrinsic)),
@@ -336,15 +369,17 @@ def summarize(pipelines: list[Pipeline], calls: list[Call], modes, floor: Option
         if floor is not None and intrinsic:
             floors = [floor.seconds(max(1, c.prompt_tokens - c.cached_tokens), c.cached_tokens) for c in intrinsic]
             row["intrinsic_ttft_floor_p50"] = percentile(floors, 50)
-            row["pipeline_floor_seconds"] = statistics.mean(
-                sum(call_floor(floor, c) for c in mine if c.conversation == p.conversation) for p in runs)
+            stages = sorted({(c.round, c.step) for c in mine if c.step >= 0})
+            row["floor_seconds_per_conversation"] = sum(
+                stage_floor(floor, [c for c in mine if (c.round, c.step) == key]) for key in stages) / conversations
         summary[mode] = row
     if "alora" in summary and "lora" in summary:
         a, lo = summary["alora"], summary["lora"]
         summary["lora_over_alora_ttft_p50"] = lo["intrinsic_ttft_p50"] / a["intrinsic_ttft_p50"]
-        summary["lora_over_alora_pipeline"] = lo["pipeline_seconds_mean"] / a["pipeline_seconds_mean"]
-        if "pipeline_floor_seconds" in a:  # the best ratio this machine allows with these lengths
-            summary["lora_over_alora_pipeline_at_floor"] = lo["pipeline_floor_seconds"] / a["pipeline_floor_seconds"]
+        summary["lora_over_alora_pipeline"] = lo["seconds_per_conversation"] / a["seconds_per_conversation"]
+        if "floor_seconds_per_conversation" in a:  # the best ratio this machine allows with these lengths
+            summary["lora_over_alora_pipeline_at_floor"] = \
+                lo["floor_seconds_per_conversation"] / a["floor_seconds_per_conversation"]
     return summary
 
 
@@ -354,18 +389,19 @@ def print_summary(summary: dict, modes, title: str) -> None:
     for mode in modes:
         r = summary[mode]
         floor = r.get("intrinsic_ttft_floor_p50")
+        floor_conv = r.get("floor_seconds_per_conversation")
         rows.append((
             mode, f"{r['intrinsic_ttft_p50'] * 1e3:.1f}", f"{r['intrinsic_ttft_p90'] * 1e3:.1f}",
             f"{r['intrinsic_ttft_p50'] / floor:.1f}" if floor else "-",
             f"{r['intrinsic_ttft_p50'] / ref['intrinsic_ttft_p50']:.1f}",
-            f"{r['pipeline_seconds_mean']:.2f}",
-            f"{r['pipeline_floor_seconds']:.2f}" if "pipeline_floor_seconds" in r else "-",
-            f"{r['pipeline_seconds_mean'] / ref['pipeline_seconds_mean']:.2f}",
+            f"{r['pipeline_seconds_mean']:.2f}", f"{r['seconds_per_conversation']:.2f}",
+            f"{floor_conv:.2f}" if floor_conv else "-",
+            f"{r['seconds_per_conversation'] / ref['seconds_per_conversation']:.2f}",
             f"{100 * r['prefix_cache_hit_rate']:.1f}%", r["prompt_tokens_computed"], r["prompt_tokens_reused"],
         ))
     print_table(title, rows, ("mode", "intrinsic TTFT p50 ms", "p90 ms", "p50 x floor", "TTFT x aLoRA",
-                              "pipeline s/conv", "floor s", "pipeline x aLoRA", "prefix hit", "prompt tok computed",
-                              "reused"))
+                              "pipeline latency s", "s/conv", "floor s/conv", "s/conv x aLoRA", "prefix hit",
+                              "prompt tok computed", "reused"))
 
 
 def plot(path: str, summary: dict, modes, title: str, num_intrinsics: int) -> None:
@@ -385,7 +421,7 @@ def plot(path: str, summary: dict, modes, title: str, num_intrinsics: int) -> No
         ax.plot(xs, curve, marker=marker, color=color, label=labels[mode],
                 linestyle="--" if mode == "base" else "-")
     ax.set_xlabel("number of intrinsics evaluated after the base answer")
-    ax.set_ylabel("pipeline time per conversation (s)")
+    ax.set_ylabel("pipeline latency of a conversation (s)")
     ax.set_xticks(range(num_intrinsics + 1))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -402,7 +438,8 @@ def plot(path: str, summary: dict, modes, title: str, num_intrinsics: int) -> No
 
 def titles(args, device: str, online: bool) -> tuple[str, str]:
     """(table title, plot title) of a run."""
-    where = f"online ({args.concurrency} concurrent)" if online else "offline"
+    where = f"online ({args.concurrency} concurrent)" if online else \
+        "offline" + (f" ({args.concurrency} conversations per batch)" if args.concurrency > 1 else "")
     if args.context_cached:
         where += f", context cached but the last {args.new_turn_len} tokens"
     short = (f"aLoRA intrinsic pipeline, {where}, {device}: {args.num_conversations} conversations x "
@@ -429,9 +466,14 @@ def replot(args) -> None:
         plot(args.plot, saved["summary"], modes, f"{short}\n{load_line(load)}", run_args.num_intrinsics)
 
 
+def max_model_len(args) -> int:
+    """Room for the conversation, the answer, an intrinsic's invocation and its output."""
+    return args.context_len + args.answer_len + args.intrinsic_len + 64
+
+
 def serve_command(paths: dict, args) -> list[str]:
     flags = ["--enable-lora", "--max-loras", str(2 * args.num_intrinsics), "--max-lora-rank", str(args.rank),
-             "--max-model-len", str(max(4096, args.context_len + args.answer_len + 64)),
+             "--max-model-len", str(max_model_len(args)),
              "--lora-modules", *[f"{name}={path}" for name, path in sorted(paths.items())]]
     return flags + server_flags(args)
 
@@ -454,7 +496,8 @@ def main() -> None:
     parser.add_argument("--parallel-intrinsics", action="store_true", help="send the K intrinsic calls together")
     parser.add_argument("--server", default=None, help="URL of a running server (online mode)")
     parser.add_argument("--launch-server", action="store_true", help="start `vllm serve` here (online mode)")
-    parser.add_argument("--concurrency", type=int, default=1, help="online: conversations in flight")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="conversations in flight: offline, per generate call; online, concurrent clients")
     parser.add_argument("--write-adapters", default=None, metavar="DIR",
                         help="write the adapters to DIR, print the `vllm serve` command and exit")
     parser.add_argument("--plot", default=None, help="write the plot (PNG) here")
@@ -503,14 +546,14 @@ def main() -> None:
         from tqdm.auto import tqdm
 
         with tqdm(total=args.num_conversations * len(modes), desc="pipelines", dynamic_ncols=True) as bar:
-            pipelines, calls = runner.run(modes, bar)
+            rounds, pipelines, calls = runner.run(modes, bar)
         stats = runner.engine_stats() if not online else None
     finally:
         if server is not None:
             stop_server(server)
     load_after = machine_load()
 
-    summary = summarize(pipelines, calls, modes, floor, args.num_intrinsics)
+    summary = summarize(rounds, pipelines, calls, modes, floor)
     title, short = titles(args, device, online)
     print_summary(summary, modes, title)
     print(f"\n{load_line(load_after)} (before: {load_line(load_before)})")
@@ -528,7 +571,8 @@ def main() -> None:
     save_json(args.json, {
         "device": device, "model": model_dir, "online": online, "server": args.server, "args": vars(args),
         "floor": floor.as_dict() if floor else None, "load_before": load_before, "load_after": load_after,
-        "summary": summary, "engine_stats": stats, "pipelines": [asdict(p) for p in pipelines],
+        "summary": summary, "engine_stats": stats, "rounds": [asdict(r) for r in rounds],
+        "pipelines": [asdict(p) for p in pipelines],
         "calls": [asdict(c) for c in calls],
     })
 

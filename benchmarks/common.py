@@ -310,6 +310,13 @@ def weight_bytes(hf_config, dtype: torch.dtype) -> float:
     return float(linear + head) * torch.empty((), dtype=dtype).element_size()
 
 
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token holds in the KV cache, all layers."""
+    head = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head * \
+        torch.empty((), dtype=dtype).element_size()
+
+
 def measured_bandwidth(device: str, megabytes: int = 256) -> float:
     """Bytes/s of a large copy (read + write counted) on this machine."""
     n = megabytes * 2**20 // 4
@@ -326,8 +333,9 @@ def measured_bandwidth(device: str, megabytes: int = 256) -> float:
 
 
 class Floor:
-    """The physical floor of a forward pass on this machine: FLOPs over the measured
-    matmul rate, or weight bytes over the measured bandwidth, whichever is larger."""
+    """The physical floor of forward passes on this machine: FLOPs over the measured
+    matmul rate, or the bytes a step must read (every weight once, and the KV of every
+    position attended to) over the measured bandwidth, whichever is larger."""
 
     def __init__(self, hf_config, dtype: torch.dtype, device: str, num_tokens: int = 2048, tries: int = 3):
         # Best of a few tries: on a shared machine a slow try measures the neighbours, not the hardware.
@@ -336,12 +344,25 @@ class Floor:
                          for _ in range(tries))
         self.bandwidth = max(measured_bandwidth(device) for _ in range(tries))
         self.bytes = weight_bytes(hf_config, dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype)
 
     def seconds(self, num_tokens: int, context: int = 0) -> float:
-        return max(forward_flops(self.hf_config, num_tokens, context) / self.flops, self.bytes / self.bandwidth)
+        """One sequence: `num_tokens` new tokens after `context` cached ones."""
+        return self.prefill_seconds([(num_tokens, context)])
+
+    def prefill_seconds(self, sequences: list[tuple[int, int]]) -> float:
+        """One step over several sequences, each (new tokens, cached tokens)."""
+        flops = sum(forward_flops(self.hf_config, n, c) for n, c in sequences)
+        kv = sum(n + c for n, c in sequences) * self.kv_bytes_per_token
+        return max(flops / self.flops, (self.bytes + kv) / self.bandwidth)
+
+    def decode_seconds(self, contexts: list[int]) -> float:
+        """One decode step of a batch: a new token for each sequence of `contexts` tokens."""
+        return self.prefill_seconds([(1, c) for c in contexts]) if contexts else 0.0
 
     def as_dict(self) -> dict:
-        return {"matmul_flops": self.flops, "bandwidth_bytes_per_s": self.bandwidth, "weight_bytes": self.bytes}
+        return {"matmul_flops": self.flops, "bandwidth_bytes_per_s": self.bandwidth, "weight_bytes": self.bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token}
 
 
 # ----------------------------------------------------------------- a local `vllm serve` for online runs

@@ -30,7 +30,6 @@ from benchmarks.common import (
     conversation_ids,
     default_device,
     engine_dtype,
-    forward_flops,
     load_hf_config,
     machine_load,
     print_table,
@@ -109,9 +108,6 @@ def main() -> None:
     alora_dir, lora_dir = write_adapter_pair(root, hf_config, "certainty", args.rank, ALL_TARGETS, 0, invocation, dtype)
     alora, lora = LoRARequest("alora-certainty", 1, alora_dir), LoRARequest("lora-certainty", 2, lora_dir)
     floor = Floor(hf_config, dtype, device)
-    kv_per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * \
-        (getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads) * \
-        dtype.itemsize
     rows, results = [], {"device": device, "machine": machine_load(), "floor": floor.as_dict()}
 
     def add(name: str, seconds: float, floor_seconds: float) -> None:
@@ -122,8 +118,7 @@ def main() -> None:
 
     def decode_floor(batch: int) -> float:
         """Weights and the batch's KV read once, or the batch's FLOPs, whichever is slower."""
-        memory = (floor.bytes + batch * decode_context * kv_per_token) / floor.bandwidth
-        return max(memory, batch * forward_flops(hf_config, 1, decode_context) / floor.flops)
+        return floor.decode_seconds([decode_context] * batch)
 
     for batch in (1, 64):
         step = decode_step_seconds(llm, batch, decode_context, device)

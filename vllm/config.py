@@ -83,6 +83,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # At most this many tokens of one request per step (0: no cap): a long prompt is then
+    # chunked even when the budget would take it whole, leaving room for short requests.
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ from vllm.sampling_params import SamplingParams
 BS = 4
 
 
-def make_scheduler(num_blocks=64, budget=64, max_seqs=8, caching=True, max_loras=0, max_model_len=256):
+def make_scheduler(num_blocks=64, budget=64, max_seqs=8, caching=True, max_loras=0, max_model_len=256,
+                   long_prefill_token_threshold=0):
     lora = LoRAConfig(max_loras=max_loras) if max_loras else None
-    return Scheduler(SchedulerConfig(budget, max_seqs, max_model_len), CacheConfig(block_size=BS, enable_prefix_caching=caching),
-                     lora, num_blocks)
+    config = SchedulerConfig(budget, max_seqs, max_model_len, long_prefill_token_threshold=long_prefill_token_threshold)
+    return Scheduler(config, CacheConfig(block_size=BS, enable_prefix_caching=caching), lora, num_blocks)
 
 
 def make_request(req_id, prompt, max_tokens=4, lora=None, alora_start=None, **params):
@@ -178,3 +179,29 @@ def test_alora_reuses_base_blocks():
     sched.add_request(make_request("plain", conversation + [90, 91], lora=LoRARequest("p", 4, "/p")))
     out, _ = run_step(sched)
     assert [n.num_computed_tokens for n in out.scheduled_new_reqs if n.req_id == "plain"] == [0]
+
+
+def test_long_prefill_token_threshold_caps_each_request_per_step():
+    """A long prompt is chunked at the threshold even with budget to spare, so a short
+    request arriving behind it (an intrinsic over a cached conversation) runs at once."""
+    sched = make_scheduler(budget=64, long_prefill_token_threshold=12)
+    sched.add_request(make_request("long", list(range(1, 41))))  # 40 tokens
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"long": 12}
+    sched.add_request(make_request("short", [201, 202, 203]))
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"long": 12, "short": 3}
+    out, outputs = run_step(sched)
+    assert out.num_scheduled_tokens == {"long": 12, "short": 1}  # decodes are never capped below 1
+    out, outputs = run_step(sched)
+    assert out.num_scheduled_tokens == {"long": 4, "short": 1}
+    assert {o.request_id for o in outputs} == {"long", "short"}
+
+
+def test_without_threshold_a_long_prompt_takes_the_whole_budget():
+    sched = make_scheduler(budget=16)
+    sched.add_request(make_request("long", list(range(1, 41))))
+    run_step(sched)
+    sched.add_request(make_request("short", [201, 202, 203]))
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"long": 16}

@@ -68,6 +68,11 @@ def test_engine_option_validation(llama_dir, tmp_path):
         LLM(llama_dir, max_model_len=256, num_gpu_blocks_override=4)
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
         LLM(llama_dir, max_num_seqs=0)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be a non-negative integer"):
+        LLM(llama_dir, long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="needs enable_chunked_prefill"):
+        LLM(llama_dir, max_model_len=128, long_prefill_token_threshold=16, enable_chunked_prefill=False,
+            max_num_batched_tokens=128)
     with pytest.raises(ValueError, match="dtype"):
         LLM(llama_dir, dtype="int3")
     with pytest.raises(TypeError, match="Unknown LLM option"):

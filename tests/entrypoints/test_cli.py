@@ -42,8 +42,10 @@ def test_dash_and_underscore_spellings():
 def test_model_defaults_and_engine_flags():
     parser = make_parser()
     args = parser.parse_args(["serve", "--enable-lora", "--enable-activated-lora", "--no-enable-prefix-caching",
-                              "--max-lora-rank", "64", "--enable-prompt-tokens-details"])
+                              "--max-lora-rank", "64", "--enable-prompt-tokens-details",
+                              "--long-prefill-token-threshold", "256"])
     engine_args = engine_args_from(args)
+    assert engine_args.long_prefill_token_threshold == 256
     assert engine_args.model == EngineArgs.model
     assert engine_args.enable_lora and engine_args.enable_activated_lora and not engine_args.enable_prefix_caching
     assert engine_args.max_lora_rank == 64

@@ -2,7 +2,8 @@
 
 Each step it advances requests' `num_computed_tokens` under `max_num_batched_tokens`
 and `max_num_seqs`. Prefill, chunked prefill and decode are the same thing to it: a
-request needs `num_tokens - num_computed_tokens` more tokens computed. Policy:
+request needs `num_tokens - num_computed_tokens` more tokens computed, of which it gets at
+most the remaining budget and, when set, `long_prefill_token_threshold`. Policy:
 
 - Running requests first, in order. When blocks run out, the newest running
   request is preempted (its blocks freed, recomputed later from the front of the
@@ -94,7 +95,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -143,7 +144,7 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._chunk(num_new, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks)
             if new_blocks is None:
                 break
@@ -173,6 +174,12 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _chunk(self, num_needed: int, budget: int) -> int:
+        """Tokens a request computes this step: what it needs, within the budget and the
+        per-request cap."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_needed, budget, cap) if cap > 0 else min(num_needed, budget)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -57,6 +57,10 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help(
         "Token budget of one step (default 8192 offline, 2048 for the server)."))
     enable_chunked_prefill: bool = field(default=True, metadata=_help("Split long prompts across steps."))
+    long_prefill_token_threshold: int = field(default=0, metadata=_help(
+        "At most this many prompt tokens of one request per step (0: no cap), so that short requests, such as "
+        "aLoRA intrinsics over a cached conversation, share steps with long prompts instead of waiting for them. "
+        "Needs chunked prefill."))
     enable_lora: bool = field(default=False, metadata=_help("Serve LoRA and aLoRA adapters."))
     enable_activated_lora: bool = field(default=False, metadata=_help(
         "Accepted for scripts written for the aLoRA branch of vLLM. aLoRA adapters are recognised from their "
@@ -96,6 +100,7 @@ class EngineArgs:
             max_num_seqs=self._positive("max_num_seqs", self.max_num_seqs),
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self._long_prefill_token_threshold(),
         )
         if not self.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
             raise ValueError(
@@ -159,6 +164,14 @@ class EngineArgs:
     def _positive(name: str, value: int) -> int:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        return value
+
+    def _long_prefill_token_threshold(self) -> int:
+        value = self.long_prefill_token_threshold
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"long_prefill_token_threshold must be a non-negative integer (0: no cap), got {value!r}.")
+        if value and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold chunks prompts, which needs enable_chunked_prefill=True.")
         return value
 
     @staticmethod

@@ -147,7 +147,8 @@ class OfflineRunner:
         args = setup.args
         self.setup = setup
         self.llm = LLM(model_dir, enable_lora=True, max_loras=2 * args.num_intrinsics, max_lora_rank=args.rank,
-                       max_model_len=max_model_len(args), **kwargs)
+                       max_model_len=max_model_len(args),
+                       long_prefill_token_threshold=args.long_prefill_token_threshold, **kwargs)
         self.dtype = self.llm.llm_engine.model_config.dtype
         paths = setup.write_adapters(root, self.dtype)
         self.requests = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(sorted(paths.items()))}
@@ -442,6 +443,8 @@ def titles(args, device: str, online: bool) -> tuple[str, str]:
         "offline" + (f" ({args.concurrency} conversations per batch)" if args.concurrency > 1 else "")
     if args.context_cached:
         where += f", context cached but the last {args.new_turn_len} tokens"
+    if args.long_prefill_token_threshold:
+        where += f", prompt chunks <= {args.long_prefill_token_threshold}"
     short = (f"aLoRA intrinsic pipeline, {where}, {device}: {args.num_conversations} conversations x "
              f"{args.context_len} tokens, {args.answer_len}-token answer, intrinsics of {args.intrinsic_len} tokens, "
              f"rank {args.rank}")
@@ -474,6 +477,7 @@ def max_model_len(args) -> int:
 def serve_command(paths: dict, args) -> list[str]:
     flags = ["--enable-lora", "--max-loras", str(2 * args.num_intrinsics), "--max-lora-rank", str(args.rank),
              "--max-model-len", str(max_model_len(args)),
+             "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
              "--lora-modules", *[f"{name}={path}" for name, path in sorted(paths.items())]]
     return flags + server_flags(args)
 
@@ -498,6 +502,8 @@ def main() -> None:
     parser.add_argument("--launch-server", action="store_true", help="start `vllm serve` here (online mode)")
     parser.add_argument("--concurrency", type=int, default=1,
                         help="conversations in flight: offline, per generate call; online, concurrent clients")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="the engine's per-request cap of prompt tokens per step (0: none)")
     parser.add_argument("--write-adapters", default=None, metavar="DIR",
                         help="write the adapters to DIR, print the `vllm serve` command and exit")
     parser.add_argument("--plot", default=None, help="write the plot (PNG) here")

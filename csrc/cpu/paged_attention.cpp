@@ -219,14 +219,36 @@ inline void block_values(T* const* acc, const T* const* p, const T* rows, int64_
   }
 }
 
-// In place: row[0:n] = exp(row - max(row)); returns 1 / sum of the result.
+// In place: row[0:n] = exp(row - max(row)); returns 1 / sum of the result. The exp and the
+// sum share one pass over the row.
 template <typename opmath_t>
 inline opmath_t softmax_numerators(opmath_t* row, int64_t n) {
   using Vec = at::vec::Vectorized<opmath_t>;
-  const opmath_t max = at::vec::reduce_all<opmath_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
-  at::vec::map([max](Vec x) { return (x - Vec(max)).exp_u20(); }, row, row, n);
-  const opmath_t sum = at::vec::reduce_all<opmath_t>([](Vec& a, Vec& b) { return a + b; }, row, n);
-  return opmath_t(1) / sum;
+  constexpr int64_t W = Vec::size();
+  const Vec max(at::vec::reduce_all<opmath_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n));
+  Vec sum(opmath_t(0));
+  int64_t t = 0;
+  for (; t + W <= n; t += W) {
+    const Vec e = (Vec::loadu(row + t) - max).exp_u20();
+    e.store(row + t);
+    sum = sum + e;
+  }
+  if (t < n) {
+    const Vec e = Vec::set(Vec(opmath_t(0)), (Vec::loadu(row + t, n - t) - max).exp_u20(), n - t);
+    e.store(row + t, n - t);
+    sum = sum + e;
+  }
+  return opmath_t(1) / at::vec::vec_reduce_all<opmath_t>([](Vec& a, Vec& b) { return a + b; }, sum);
+}
+
+// A per-thread buffer of at least n values, kept across calls: the scratch of a task that
+// attends over a long context is hundreds of KB, which a fresh allocation per call would
+// pay for again in page faults.
+template <typename T>
+inline T* thread_scratch(size_t n) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
 }
 
 // One task: query tokens [j0, j1) of sequence `seq`, KV head `kv`.
@@ -275,17 +297,15 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t ahead = kPrefetchBlocks * bs, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    // Per-thread scratch, reused by every task of the chunk. Row m of a task is its token
-    // j0 + m / G and query head kv * G + m % G.
-    std::vector<opmath_t> q_buf(max_rows * D);         // [rows, D] queries, pre-scaled
-    std::vector<opmath_t> acc_buf(max_rows * D);       // [rows, D] unnormalised outputs
-    std::vector<opmath_t> logits_buf(max_rows * max_len);  // [rows, max_len]
-    std::vector<opmath_t> inv_sums(max_rows);          // [rows]
-    std::vector<int64_t> limits(max_rows);             // [rows] keys each row attends to
-    std::vector<opmath_t> rows_buf(bs * D);            // [bs, D] one converted block (non-opmath storage)
-    std::vector<opmath_t> kt_buf(D * ldk);             // [D, ldk] one transposed key block
-    opmath_t *q = q_buf.data(), *acc = acc_buf.data(), *logits = logits_buf.data(), *rows = rows_buf.data(),
-             *kt = kt_buf.data();
+    // Per-thread scratch, reused by every task. Row m of a task is its token j0 + m / G and
+    // query head kv * G + m % G.
+    opmath_t* q = thread_scratch<opmath_t>(2 * max_rows * D + max_rows * max_len + max_rows + bs * D + D * ldk);
+    opmath_t* acc = q + max_rows * D;               // [rows, D] unnormalised outputs (q: [rows, D], pre-scaled)
+    opmath_t* logits = acc + max_rows * D;          // [rows, max_len]
+    opmath_t* inv_sums = logits + max_rows * max_len;  // [rows]
+    opmath_t* rows = inv_sums + max_rows;           // [bs, D] one converted block (non-opmath storage)
+    opmath_t* kt = rows + bs * D;                   // [D, ldk] one transposed key block
+    int64_t* limits = thread_scratch<int64_t>(max_rows);  // [rows] keys each row attends to
 
     for (int64_t task_id = begin; task_id < end; ++task_id) {
       const Task& task = tasks[task_id];

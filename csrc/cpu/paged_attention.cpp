@@ -26,12 +26,14 @@
  *   Lengths, token ranges and the block ids they reach are checked before any work.
  *
  * Work split: one task per (sequence, KV head, run of at most kMaxTokensPerTask query
- * tokens; shorter runs when there would be under two tasks per thread), run by
- * at::parallel_for on torch's intra-op threads. A task computes the rows of its tokens times
- * the G query heads sharing the KV head, reading each key and value row of that head once
- * for all of them. The softmax is exact and two-pass: all logits, then max subtraction and
- * exp, then one pass over the values. Each row's arithmetic is the same whatever the task
- * split and thread count, so results are bitwise reproducible.
+ * tokens, range of kKeysPerTask keys), run by at::parallel_for on torch's intra-op threads.
+ * A task computes the rows of its tokens times the G query heads sharing the KV head over
+ * its keys, reading each key and value row of that head once for all of them: an exact
+ * two-pass softmax (all logits, then max subtraction and exp, then one pass over the values)
+ * whose unnormalised output, max and sum a second parallel pass merges across the key
+ * ranges. The split depends only on each sequence's own lengths, so a row's arithmetic is
+ * the same whatever else is in the batch and whatever the thread count: results are bitwise
+ * reproducible.
  *
  * Inner loops: a key block is transposed to [D, bs] so that one vector FMA advances W keys
  * of a query row at once, and kRowTile query rows share every load of a key or value vector.
@@ -56,7 +58,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -67,11 +71,12 @@ namespace {
 // head are strided (Hkv * D apart) and the blocks scattered, which the hardware prefetchers
 // follow poorly; two blocks ahead measured best (1.1x-1.2x over none, flat beyond).
 constexpr int64_t kPrefetchBlocks = 2;
-// Query tokens per task: more rows share each key and value read, fewer tasks to balance.
+// Query tokens per task: more rows share each key and value read.
 constexpr int64_t kMaxTokensPerTask = 16;
-// Cap on a task's logits buffer (rows x keys), in opmath values, so long contexts with many
-// query heads per KV head keep a bounded per-thread footprint.
-constexpr int64_t kMaxLogits = int64_t(1) << 20;
+// Keys per task (rounded up to whole blocks): a long context is split into ranges whose
+// partial softmax results are merged, so one request (Hkv tasks otherwise) keeps every
+// thread busy, and a task's logits buffer stays small.
+constexpr int64_t kKeysPerTask = 512;
 // Query rows computed together in the inner loops (register blocking: with D = 64 and
 // AVX-512, 4 rows x 4 vectors of accumulators plus the loaded row fit the 32 registers).
 constexpr int kRowTile = 4;
@@ -219,13 +224,15 @@ inline void block_values(T* const* acc, const T* const* p, const T* rows, int64_
   }
 }
 
-// In place: row[0:n] = exp(row - max(row)); returns 1 / sum of the result. The exp and the
-// sum share one pass over the row.
+// In place: row[0:n] = exp(row - max(row)) for n >= 1; returns {max(row), sum of the result}.
+// The exp and the sum share one pass over the row.
 template <typename opmath_t>
-inline opmath_t softmax_numerators(opmath_t* row, int64_t n) {
+inline std::pair<opmath_t, opmath_t> softmax_numerators(opmath_t* row, int64_t n) {
   using Vec = at::vec::Vectorized<opmath_t>;
   constexpr int64_t W = Vec::size();
-  const Vec max(at::vec::reduce_all<opmath_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n));
+  const opmath_t max_value =
+      at::vec::reduce_all<opmath_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
+  const Vec max(max_value);
   Vec sum(opmath_t(0));
   int64_t t = 0;
   for (; t + W <= n; t += W) {
@@ -238,7 +245,7 @@ inline opmath_t softmax_numerators(opmath_t* row, int64_t n) {
     e.store(row + t, n - t);
     sum = sum + e;
   }
-  return opmath_t(1) / at::vec::vec_reduce_all<opmath_t>([](Vec& a, Vec& b) { return a + b; }, sum);
+  return {max_value, at::vec::vec_reduce_all<opmath_t>([](Vec& a, Vec& b) { return a + b; }, sum)};
 }
 
 // A per-thread buffer of at least n values, kept across calls: the scratch of a task that
@@ -251,138 +258,203 @@ inline T* thread_scratch(size_t n) {
   return buffer.data();
 }
 
-// One task: query tokens [j0, j1) of sequence `seq`, KV head `kv`.
+// One task: query tokens [j0, j1) of sequence `seq`, KV head `kv`, keys [k0, k1). Its rows'
+// partial results start at row `part` of the partials buffer.
 struct Task {
-  int64_t seq, kv, j0, j1;
+  int64_t seq, kv, j0, j1, k0, k1, part;
 };
 
-// The tasks: each (sequence, KV head) split into equal runs of at most `max_tokens` query
-// tokens, and into more runs when there would be fewer than two tasks per thread (one
-// aLoRA request over a long context has only Hkv of them otherwise).
-inline std::vector<Task> split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, int64_t Hkv,
-                                     int64_t max_tokens) {
-  const int64_t wanted = 2 * at::get_num_threads();
-  const int64_t per_seq_head = (wanted + Hkv * seqs.size() - 1) / (Hkv * seqs.size());
-  std::vector<Task> tasks;
+// The tasks of one (sequence, KV head, run of tokens): `count` consecutive tasks from `first`,
+// one per key range, whose partials are merged into the output rows.
+struct Group {
+  int64_t first, count;
+};
+
+// Each (sequence, KV head) split into equal runs of at most kMaxTokensPerTask query tokens, and
+// each run's keys (up to those its last token attends to) into ranges of `keys_per_task`.
+// The split depends only on the sequence, so a row's arithmetic is the same whatever else is
+// in the batch and however many threads run it.
+inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, const int32_t* lens, int64_t Hkv,
+                        int64_t G, int64_t keys_per_task, std::vector<Task>& tasks, std::vector<Group>& groups) {
+  int64_t rows = 0;
   for (const int64_t i : seqs) {
-    const int64_t q = qsl[i + 1] - qsl[i];
-    const int64_t runs = std::min(q, std::max((q + max_tokens - 1) / max_tokens, per_seq_head));
-    const int64_t step = (q + runs - 1) / runs;
+    const int64_t q = qsl[i + 1] - qsl[i], L = lens[i];
+    const int64_t runs = (q + kMaxTokensPerTask - 1) / kMaxTokensPerTask, step = (q + runs - 1) / runs;
     for (int64_t kv = 0; kv < Hkv; ++kv)
-      for (int64_t j0 = 0; j0 < q; j0 += step) tasks.push_back({i, kv, j0, std::min(q, j0 + step)});
+      for (int64_t j0 = 0; j0 < q; j0 += step) {
+        const int64_t j1 = std::min(q, j0 + step), n_keys = L - q + j1;
+        groups.push_back({static_cast<int64_t>(tasks.size()), 0});
+        for (int64_t k0 = 0; k0 < n_keys; k0 += keys_per_task) {
+          tasks.push_back({i, kv, j0, j1, k0, std::min(n_keys, k0 + keys_per_task), rows});
+          rows += (j1 - j0) * G;
+          ++groups.back().count;
+        }
+      }
   }
-  return tasks;
+}
+
+// Partial results of one task: per row, the unnormalised output [D], then the max logit and the
+// sum of exp(logit - max) over the task's keys (-inf and 0 when the row attends to none of them).
+template <typename scalar_t>
+void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, int64_t q_s1, const scalar_t* k_cache,
+                       const scalar_t* v_cache, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+                       const int32_t* qsl, int64_t G, int64_t D, int64_t bs, int64_t Hkv, int64_t keys_per_task,
+                       at::opmath_type<scalar_t> scale, at::opmath_type<scalar_t>* partials) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  constexpr int64_t W = at::vec::Vectorized<opmath_t>::size();
+  const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;  // within kv_cache[0 or 1]
+  const int64_t ldk = (bs + W - 1) / W * W;                          // a transposed key block's row length
+  const int64_t ahead = kPrefetchBlocks * bs, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t L = seq_lens[task.seq], q_len = qsl[task.seq + 1] - qsl[task.seq];
+  const int64_t M = (task.j1 - task.j0) * G, span = task.k1 - task.k0;
+  const int32_t* blocks = tables + task.seq * table_stride;
+  const scalar_t* k_head = k_cache + task.kv * D;
+  const scalar_t* v_head = v_cache + task.kv * D;
+  const bool transpose = q_len * G >= kTransposeMinRows;
+
+  // Per-thread scratch, reused by every task. Row m is token j0 + m / G, query head kv * G + m % G.
+  const int64_t max_rows = kMaxTokensPerTask * G;
+  opmath_t* q = thread_scratch<opmath_t>(max_rows * D + max_rows * keys_per_task + bs * D + D * ldk);
+  opmath_t* logits = q + max_rows * D;               // [rows, span] (q: [rows, D], pre-scaled)
+  opmath_t* rows = logits + max_rows * keys_per_task;  // [bs, D] one converted block (non-opmath storage)
+  opmath_t* kt = rows + bs * D;                      // [D, ldk] one transposed key block
+  int64_t* valid = thread_scratch<int64_t>(max_rows);  // [rows] keys of the range each row attends to
+
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t j = task.j0 + m / G, h = task.kv * G + m % G;
+    const scalar_t* src = q_base + (qsl[task.seq] + j) * q_s0 + h * q_s1;
+    for (int64_t d = 0; d < D; ++d) q[m * D + d] = static_cast<opmath_t>(src[d]) * scale;
+    valid[m] = std::clamp<int64_t>(L - q_len + j + 1 - task.k0, 0, span);  // causal
+  }
+
+  // Pass 1: logits of the task's keys, one block at a time (k0 is a multiple of bs).
+  for (int64_t start = 0; start < span; start += bs) {
+    const int64_t key = task.k0 + start, n = std::min(bs, span - start);
+    if (start + ahead < span)
+      prefetch_rows(k_head + blocks[(key + ahead) / bs] * block_stride, std::min(bs, span - start - ahead),
+                    token_stride, row_bytes);
+    int64_t stride;
+    const opmath_t* k = rows_as_opmath(k_head + blocks[key / bs] * block_stride, n, token_stride, D, rows, stride);
+    if (transpose) at::vec::transpose_mxn<opmath_t>(k, stride, kt, ldk, n, D);
+    for_row_tiles(M, [&](auto tile, int64_t m) {
+      constexpr int R = decltype(tile)::value;
+      opmath_t* lp[R];
+      const opmath_t* qp[R];
+      for (int r = 0; r < R; ++r) {
+        lp[r] = logits + (m + r) * keys_per_task + start;
+        qp[r] = q + (m + r) * D;
+      }
+      if (transpose)
+        block_logits<R>(lp, qp, kt, ldk, n, D);
+      else
+        row_logits<R>(lp, qp, k, stride, n, D);
+    });
+  }
+  // Softmax numerators over each row's keys; the rest of the range gets probability 0.
+  for (int64_t m = 0; m < M; ++m) {
+    opmath_t* row = logits + m * keys_per_task;
+    opmath_t* part = partials + (task.part + m) * (D + 2);
+    if (valid[m] > 0) {
+      std::tie(part[D], part[D + 1]) = softmax_numerators(row, valid[m]);
+    } else {
+      part[D] = -std::numeric_limits<opmath_t>::infinity();
+      part[D + 1] = opmath_t(0);
+    }
+    std::fill(row + valid[m], row + span, opmath_t(0));
+    std::fill(part, part + D, opmath_t(0));
+  }
+
+  // Pass 2: probability-weighted sum of the values into the partial rows.
+  for (int64_t start = 0; start < span; start += bs) {
+    const int64_t key = task.k0 + start, n = std::min(bs, span - start);
+    if (start + ahead < span)
+      prefetch_rows(v_head + blocks[(key + ahead) / bs] * block_stride, std::min(bs, span - start - ahead),
+                    token_stride, row_bytes);
+    int64_t stride;
+    const opmath_t* v = rows_as_opmath(v_head + blocks[key / bs] * block_stride, n, token_stride, D, rows, stride);
+    for_row_tiles(M, [&](auto tile, int64_t m) {
+      constexpr int R = decltype(tile)::value;
+      opmath_t* ap[R];
+      const opmath_t* pp[R];
+      for (int r = 0; r < R; ++r) {
+        ap[r] = partials + (task.part + m + r) * (D + 2);
+        pp[r] = logits + (m + r) * keys_per_task + start;
+      }
+      block_values<R>(ap, pp, v, stride, n, D);
+    });
+  }
+}
+
+// out rows of a group: its tasks' partials merged in key order,
+// out = sum_s exp(max_s - max) acc_s / sum_s exp(max_s - max) sum_s.
+template <typename scalar_t>
+void merge_partials(const Group& group, const std::vector<Task>& tasks, const at::opmath_type<scalar_t>* partials,
+                    scalar_t* out_base, int64_t o_s0, int64_t o_s1, const int32_t* qsl, int64_t G, int64_t D) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using Vec = at::vec::Vectorized<opmath_t>;
+  constexpr int64_t W = Vec::size();
+  const Task& first = tasks[group.first];
+  const int64_t M = (first.j1 - first.j0) * G;
+  for (int64_t m = 0; m < M; ++m) {
+    opmath_t max = -std::numeric_limits<opmath_t>::infinity();
+    for (int64_t s = 0; s < group.count; ++s) max = std::max(max, partials[(tasks[group.first + s].part + m) * (D + 2) + D]);
+    const int64_t j = first.j0 + m / G, h = first.kv * G + m % G;
+    scalar_t* dst = out_base + (qsl[first.seq] + j) * o_s0 + h * o_s1;
+    const opmath_t* part0 = partials + (first.part + m) * (D + 2);
+    if (group.count == 1) {  // the common case: one range, no rescaling
+      const opmath_t inv = opmath_t(1) / part0[D + 1];
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(part0[d] * inv);
+      continue;
+    }
+    opmath_t* weights = thread_scratch<opmath_t>(group.count + D);  // [count] exp(max_s - max)
+    opmath_t* acc = weights + group.count;                          // [D] the merged output
+    opmath_t sum = 0;
+    for (int64_t s = 0; s < group.count; ++s) {
+      const opmath_t* part = partials + (tasks[group.first + s].part + m) * (D + 2);
+      weights[s] = std::exp(part[D] - max);
+      sum += weights[s] * part[D + 1];
+    }
+    const Vec inv(opmath_t(1) / sum);
+    for (int64_t d = 0; d < D; d += W) {
+      const int64_t w = std::min(W, D - d);
+      Vec a(opmath_t(0));
+      for (int64_t s = 0; s < group.count; ++s)
+        a = at::vec::fmadd(Vec(weights[s]), Vec::loadu(partials + (tasks[group.first + s].part + m) * (D + 2) + d, w), a);
+      (a * inv).store(acc + d, w);
+    }
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
+  }
 }
 
 template <typename scalar_t>
 void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_table, const int32_t* seq_lens, const int32_t* qsl,
-                      const std::vector<Task>& tasks, int64_t max_tokens, int64_t max_len, double scale) {
+                      const std::vector<int64_t>& seqs, double scale) {
   using opmath_t = at::opmath_type<scalar_t>;
-  using Vec = at::vec::Vectorized<opmath_t>;
-  constexpr int64_t W = Vec::size();
   const int64_t H = query.size(1), D = query.size(2);
-  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
-  const int64_t G = H / Hkv, max_rows = max_tokens * G;
-  const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;  // within kv_cache[0 or 1]
-  const int64_t ldk = (bs + W - 1) / W * W;  // a transposed key block's row length
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3), G = H / Hkv;
+  const int64_t keys_per_task = (kKeysPerTask + bs - 1) / bs * bs;
+  std::vector<Task> tasks;
+  std::vector<Group> groups;
+  split_tasks(seqs, qsl, seq_lens, Hkv, G, keys_per_task, tasks, groups);
+  const Task& last = tasks.back();
+  std::vector<opmath_t> partials((last.part + (last.j1 - last.j0) * G) * (D + 2));
+
   const scalar_t* k_cache = kv_cache.const_data_ptr<scalar_t>();
-  const scalar_t* v_cache = k_cache + num_blocks * block_stride;
+  const scalar_t* v_cache = k_cache + num_blocks * bs * Hkv * D;
   const scalar_t* q_base = query.const_data_ptr<scalar_t>();
-  scalar_t* out_base = out.data_ptr<scalar_t>();
   const int32_t* tables = block_table.const_data_ptr<int32_t>();
-  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
-  const int64_t table_stride = block_table.stride(0);
   const opmath_t op_scale = static_cast<opmath_t>(scale);
-  const int64_t ahead = kPrefetchBlocks * bs, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    // Per-thread scratch, reused by every task. Row m of a task is its token j0 + m / G and
-    // query head kv * G + m % G.
-    opmath_t* q = thread_scratch<opmath_t>(2 * max_rows * D + max_rows * max_len + max_rows + bs * D + D * ldk);
-    opmath_t* acc = q + max_rows * D;               // [rows, D] unnormalised outputs (q: [rows, D], pre-scaled)
-    opmath_t* logits = acc + max_rows * D;          // [rows, max_len]
-    opmath_t* inv_sums = logits + max_rows * max_len;  // [rows]
-    opmath_t* rows = inv_sums + max_rows;           // [bs, D] one converted block (non-opmath storage)
-    opmath_t* kt = rows + bs * D;                   // [D, ldk] one transposed key block
-    int64_t* limits = thread_scratch<int64_t>(max_rows);  // [rows] keys each row attends to
-
-    for (int64_t task_id = begin; task_id < end; ++task_id) {
-      const Task& task = tasks[task_id];
-      const int64_t L = seq_lens[task.seq], q_len = qsl[task.seq + 1] - qsl[task.seq];
-      const int64_t M = (task.j1 - task.j0) * G;
-      const int32_t* blocks = tables + task.seq * table_stride;
-      const scalar_t* k_head = k_cache + task.kv * D;
-      const scalar_t* v_head = v_cache + task.kv * D;
-      const int64_t n_keys = L - q_len + task.j1;  // keys the task's last token attends to
-      const bool transpose = q_len * G >= kTransposeMinRows;
-
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t j = task.j0 + m / G, h = task.kv * G + m % G;
-        const scalar_t* src = q_base + (qsl[task.seq] + j) * q_s0 + h * q_s1;
-        for (int64_t d = 0; d < D; ++d) q[m * D + d] = static_cast<opmath_t>(src[d]) * op_scale;
-        limits[m] = L - q_len + j + 1;
-      }
-
-      // Pass 1: logits of every position, one block at a time.
-      for (int64_t start = 0; start < n_keys; start += bs) {
-        const int64_t n = std::min(bs, n_keys - start);
-        if (start + ahead < n_keys)
-          prefetch_rows(k_head + blocks[(start + ahead) / bs] * block_stride, std::min(bs, n_keys - start - ahead),
-                        token_stride, row_bytes);
-        int64_t stride;
-        const opmath_t* k =
-            rows_as_opmath(k_head + blocks[start / bs] * block_stride, n, token_stride, D, rows, stride);
-        if (transpose) at::vec::transpose_mxn<opmath_t>(k, stride, kt, ldk, n, D);
-        for_row_tiles(M, [&](auto tile, int64_t m) {
-          constexpr int R = decltype(tile)::value;
-          opmath_t* lp[R];
-          const opmath_t* qp[R];
-          for (int r = 0; r < R; ++r) {
-            lp[r] = logits + (m + r) * max_len + start;
-            qp[r] = q + (m + r) * D;
-          }
-          if (transpose)
-            block_logits<R>(lp, qp, kt, ldk, n, D);
-          else
-            row_logits<R>(lp, qp, k, stride, n, D);
-        });
-      }
-      // Causal: row m attends to limits[m] keys; the rest of its n_keys get probability 0.
-      for (int64_t m = 0; m < M; ++m) {
-        opmath_t* row = logits + m * max_len;
-        inv_sums[m] = softmax_numerators(row, limits[m]);
-        std::fill(row + limits[m], row + n_keys, opmath_t(0));
-      }
-
-      // Pass 2: probability-weighted sum of the values.
-      std::fill(acc, acc + M * D, opmath_t(0));
-      for (int64_t start = 0; start < n_keys; start += bs) {
-        const int64_t n = std::min(bs, n_keys - start);
-        if (start + ahead < n_keys)
-          prefetch_rows(v_head + blocks[(start + ahead) / bs] * block_stride, std::min(bs, n_keys - start - ahead),
-                        token_stride, row_bytes);
-        int64_t stride;
-        const opmath_t* v =
-            rows_as_opmath(v_head + blocks[start / bs] * block_stride, n, token_stride, D, rows, stride);
-        for_row_tiles(M, [&](auto tile, int64_t m) {
-          constexpr int R = decltype(tile)::value;
-          opmath_t* ap[R];
-          const opmath_t* pp[R];
-          for (int r = 0; r < R; ++r) {
-            ap[r] = acc + (m + r) * D;
-            pp[r] = logits + (m + r) * max_len + start;
-          }
-          block_values<R>(ap, pp, v, stride, n, D);
-        });
-      }
-
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t j = task.j0 + m / G, h = task.kv * G + m % G;
-        scalar_t* dst = out_base + (qsl[task.seq] + j) * o_s0 + h * o_s1;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[m * D + d] * inv_sums[m]);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      partial_attention<scalar_t>(tasks[t], q_base, query.stride(0), query.stride(1), k_cache, v_cache, tables,
+                                  block_table.stride(0), seq_lens, qsl, G, D, bs, Hkv, keys_per_task, op_scale,
+                                  partials.data());
+  });
+  scalar_t* out_base = out.data_ptr<scalar_t>();
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      merge_partials<scalar_t>(groups[g], tasks, partials.data(), out_base, out.stride(0), out.stride(1), qsl, G, D);
   });
 }
 
@@ -416,10 +488,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* tables = block_table.const_data_ptr<int32_t>();
   const int64_t bs = kv_cache.size(2), num_blocks = kv_cache.size(1), capacity = block_table.size(1) * bs;
-  const int64_t G = H / Hkv;
   TORCH_CHECK(qsl[0] == 0, "paged_attention: query_start_loc[0] must be 0");
   std::vector<int64_t> computed;
-  int64_t max_len = 0, longest_query = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t q = qsl[i + 1] - qsl[i];
     TORCH_CHECK(q >= 0 && qsl[i + 1] <= std::min(query.size(0), out.size(0)), "paged_attention: query_start_loc[",
@@ -433,22 +503,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                   " is outside [0, ", num_blocks, ")");
     }
     computed.push_back(i);
-    max_len = std::max<int64_t>(max_len, lens[i]);
-    longest_query = std::max(longest_query, q);
   }
   if (computed.empty()) return;
 
-  const int64_t cap = std::max<int64_t>(1, kMaxLogits / (G * max_len));
-  const int64_t max_tokens = std::min({kMaxTokensPerTask, cap, longest_query});
-  const std::vector<Task> tasks = split_tasks(computed, qsl, Hkv, max_tokens);
   switch (kv_cache.scalar_type()) {
-    case at::kFloat:
-      return attention_kernel<float>(out, query, kv_cache, block_table, lens, qsl, tasks, max_tokens, max_len, scale);
+    case at::kFloat: return attention_kernel<float>(out, query, kv_cache, block_table, lens, qsl, computed, scale);
     case at::kBFloat16:
-      return attention_kernel<at::BFloat16>(out, query, kv_cache, block_table, lens, qsl, tasks, max_tokens, max_len,
-                                            scale);
-    case at::kHalf:
-      return attention_kernel<at::Half>(out, query, kv_cache, block_table, lens, qsl, tasks, max_tokens, max_len, scale);
+      return attention_kernel<at::BFloat16>(out, query, kv_cache, block_table, lens, qsl, computed, scale);
+    case at::kHalf: return attention_kernel<at::Half>(out, query, kv_cache, block_table, lens, qsl, computed, scale);
     default: TORCH_CHECK(false, "paged_attention: dtype ", kv_cache.scalar_type(), " is not fp32, bf16 or fp16");
   }
 }

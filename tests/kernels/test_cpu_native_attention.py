@@ -1,10 +1,11 @@
 """The native CPU attention kernel (csrc/cpu/paged_attention.cpp) vs the torch reference, its
 oracle: decodes and short prefills on a cached prefix (an aLoRA's few tokens over a long
 conversation) with shuffled block ids and noise in unused blocks, lengths of 1 and exact
-multiples of the block size, query runs split across tasks, GQA ratios 1-4, head sizes
-16/40/64/128, block sizes 8/12/16, fp32 (tight) and bf16/fp16 (loose, against fp32 on the same
-rounded inputs); sequences above max_query_len left alone; mixed batches through the
-backend; and greedy generation equal to VLLM_USE_TORCH_REFERENCE_OPS=1.
+multiples of the block size, query runs and long contexts split across tasks (and merged),
+GQA ratios 1-4, head sizes 16/40/64/128, block sizes 8/12/16, fp32 (tight) and bf16/fp16
+(loose, against fp32 on the same rounded inputs); sequences above max_query_len left alone;
+results bitwise independent of threads and of the rest of the batch; mixed batches through
+the backend; and greedy generation equal to VLLM_USE_TORCH_REFERENCE_OPS=1.
 
 Every test skips, with the build error as its reason, where the kernel cannot be built."""
 
@@ -66,6 +67,19 @@ def test_short_prefills_on_a_cached_prefix_match_reference(num_heads, num_kv_hea
     scale = head_size**-0.5
     ref, cache = reference(query, key, value, cache, meta, scale)
     torch.testing.assert_close(run_native(query, cache, meta, scale), ref, atol=2e-5, rtol=2e-5)
+
+
+# Contexts over several key ranges (kKeysPerTask = 512 keys, rounded up to whole blocks): decodes
+# on both sides of a range boundary, and runs whose first tokens attend to none of the last
+# range's keys (their partial there is empty) while the run's last token does.
+LONG = [(511, 1), (512, 1), (1100, 1), (2047, 1), (505, 20), (1020, 9), (600, 40), (1536, 3)]
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(16, 9, 3), (12, 4, 2), (8, 8, 8)])
+def test_long_contexts_merge_key_ranges_like_one_softmax(block_size, num_heads, num_kv_heads):
+    query, key, value, cache, meta = make_batch(LONG, num_heads, num_kv_heads, 64, block_size, seed=block_size)
+    ref, cache = reference(query, key, value, cache, meta, 0.125)
+    torch.testing.assert_close(run_native(query, cache, meta, 0.125), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_sequences_above_max_query_len_are_not_written():
@@ -137,9 +151,9 @@ def test_strided_query_and_output_views():
 
 
 def test_thread_count_does_not_change_results():
-    """How tasks are split follows the thread count, but each row's arithmetic does not:
-    results are bitwise independent of torch.set_num_threads."""
-    specs = decode_specs([3, 70, 129, 64, 200, 1]) + [(300, 20), (17, 33)]
+    """Tasks are split by each sequence's own lengths, never by the thread count: results are
+    bitwise independent of torch.set_num_threads."""
+    specs = decode_specs([3, 70, 129, 64, 200, 1, 1300]) + [(300, 20), (17, 33), (700, 18)]
     query, key, value, cache, meta = make_batch(specs, 6, 3, 64, 16, seed=11)
     _, cache = reference(query, key, value, cache, meta, 0.125)
     threads = torch.get_num_threads()
@@ -151,6 +165,22 @@ def test_thread_count_does_not_change_results():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch():
+    """The work split follows each sequence's own lengths, so the rest of the batch never
+    changes a row (the aLoRA tests compare batched requests with solo runs)."""
+    specs = [(1300, 1), (40, 1), (700, 18), (5, 3)]
+    query, key, value, cache, meta = make_batch(specs, 6, 3, 64, 16, seed=12)
+    _, cache = reference(query, key, value, cache, meta, 0.125)
+    batched = run_native(query, cache, meta, 0.125)
+    qsl = meta.query_start_loc_cpu.tolist()
+    for i in range(len(specs)):
+        rows = slice(qsl[i], qsl[i + 1])
+        alone = torch.full_like(query[rows], float("nan"))
+        cpu_native.paged_attention_rows(alone, query[rows], cache, meta.block_table[i : i + 1], meta.seq_lens[i : i + 1],
+                                        torch.tensor([0, qsl[i + 1] - qsl[i]], dtype=torch.int32), 512, 0.125)
+        assert torch.equal(alone, batched[rows]), f"sequence {i} differs alone"
 
 
 def test_rejects_lengths_ranges_and_blocks_outside_the_cache():

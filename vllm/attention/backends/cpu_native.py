@@ -100,8 +100,8 @@ def is_available() -> bool:
 
 # Query tokens up to which a sequence runs the kernel rather than SDPA. Measured on a 2-core
 # AVX-512 machine (fp32, 9 query / 3 KV heads of 64, over a 2k-token context): the kernel
-# takes 0.4x torch_ref's time at 4 query tokens, 0.55x at 20, 0.8x at 128, 0.9x at 512, and
-# breaks even near 1024, where SDPA's blocked GEMMs catch up.
+# takes 0.35x torch_ref's time at 4 query tokens, 0.55x at 20, 0.8x at 128, 0.95x at 512, and
+# loses at 1024, where SDPA's blocked GEMMs catch up.
 MAX_QUERY_LEN = 512
 
 

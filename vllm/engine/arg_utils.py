@@ -58,9 +58,8 @@ class EngineArgs:
         "Token budget of one step (default 8192 offline, 2048 for the server)."))
     enable_chunked_prefill: bool = field(default=True, metadata=_help("Split long prompts across steps."))
     long_prefill_token_threshold: int = field(default=0, metadata=_help(
-        "At most this many prompt tokens of one request per step (0: no cap), so that short requests, such as "
-        "aLoRA intrinsics over a cached conversation, share steps with long prompts instead of waiting for them. "
-        "Needs chunked prefill."))
+        "At most this many prompt tokens of one request per step (0: no cap): long prompts advance in chunks "
+        "and leave room in every step for other requests. Needs chunked prefill."))
     enable_lora: bool = field(default=False, metadata=_help("Serve LoRA and aLoRA adapters."))
     enable_activated_lora: bool = field(default=False, metadata=_help(
         "Accepted for scripts written for the aLoRA branch of vLLM. aLoRA adapters are recognised from their "

@@ -327,14 +327,21 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
     valid[m] = std::clamp<int64_t>(L - q_len + j + 1 - task.k0, 0, span);  // causal
   }
 
-  // Pass 1: logits of the task's keys, one block at a time (k0 is a multiple of bs).
-  for (int64_t start = 0; start < span; start += bs) {
-    const int64_t key = task.k0 + start, n = std::min(bs, span - start);
+  // The n rows from key k0 + start on of `head` (keys or values: one block, as k0 is a multiple
+  // of bs) as opmath values, after asking for the rows kPrefetchBlocks blocks ahead.
+  auto block_rows = [&](const scalar_t* head, int64_t start, int64_t n, int64_t& stride) {
+    const int64_t key = task.k0 + start;
     if (start + ahead < span)
-      prefetch_rows(k_head + blocks[(key + ahead) / bs] * block_stride, std::min(bs, span - start - ahead),
+      prefetch_rows(head + blocks[(key + ahead) / bs] * block_stride, std::min(bs, span - start - ahead),
                     token_stride, row_bytes);
+    return rows_as_opmath(head + blocks[key / bs] * block_stride, n, token_stride, D, rows, stride);
+  };
+
+  // Pass 1: logits of the task's keys, one block at a time.
+  for (int64_t start = 0; start < span; start += bs) {
+    const int64_t n = std::min(bs, span - start);
     int64_t stride;
-    const opmath_t* k = rows_as_opmath(k_head + blocks[key / bs] * block_stride, n, token_stride, D, rows, stride);
+    const opmath_t* k = block_rows(k_head, start, n, stride);
     if (transpose) at::vec::transpose_mxn<opmath_t>(k, stride, kt, ldk, n, D);
     for_row_tiles(M, [&](auto tile, int64_t m) {
       constexpr int R = decltype(tile)::value;
@@ -366,12 +373,9 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
 
   // Pass 2: probability-weighted sum of the values into the partial rows.
   for (int64_t start = 0; start < span; start += bs) {
-    const int64_t key = task.k0 + start, n = std::min(bs, span - start);
-    if (start + ahead < span)
-      prefetch_rows(v_head + blocks[(key + ahead) / bs] * block_stride, std::min(bs, span - start - ahead),
-                    token_stride, row_bytes);
+    const int64_t n = std::min(bs, span - start);
     int64_t stride;
-    const opmath_t* v = rows_as_opmath(v_head + blocks[key / bs] * block_stride, n, token_stride, D, rows, stride);
+    const opmath_t* v = block_rows(v_head, start, n, stride);
     for_row_tiles(M, [&](auto tile, int64_t m) {
       constexpr int R = decltype(tile)::value;
       opmath_t* ap[R];

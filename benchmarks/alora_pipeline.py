@@ -329,11 +329,17 @@ def run_rounds(args, modes, play, bar) -> tuple[list[Round], list[Pipeline], lis
 
 
 # ------------------------------------------------------------------ report
+def prefill_tokens(c: Call) -> tuple[int, int]:
+    """(tokens the call's prefill computes, tokens it found cached); a fully cached prompt
+    still computes its last token."""
+    return max(1, c.prompt_tokens - c.cached_tokens), c.cached_tokens
+
+
 def stage_floor(floor: Floor, calls: list[Call]) -> float:
     """The floor of calls that run together (one stage of a round): the prefill of every
     uncached prompt token, then one decode step per further output token of the longest,
     each step reading the weights once and the KV of every sequence still decoding."""
-    prefill = floor.prefill_seconds([(max(1, c.prompt_tokens - c.cached_tokens), c.cached_tokens) for c in calls])
+    prefill = floor.prefill_seconds([prefill_tokens(c) for c in calls])
     decode = sum(floor.decode_seconds([c.prompt_tokens + j for c in calls if j < c.output_tokens - 1])
                  for j in range(max(c.output_tokens for c in calls) - 1))
     return prefill + decode
@@ -368,7 +374,7 @@ def summarize(rounds: list[Round], pipelines: list[Pipeline], calls: list[Call],
             "num_calls": len(mine),
         }
         if floor is not None and intrinsic:
-            floors = [floor.seconds(max(1, c.prompt_tokens - c.cached_tokens), c.cached_tokens) for c in intrinsic]
+            floors = [floor.seconds(*prefill_tokens(c)) for c in intrinsic]
             row["intrinsic_ttft_floor_p50"] = percentile(floors, 50)
             stages = sorted({(c.round, c.step) for c in mine if c.step >= 0})
             row["floor_seconds_per_conversation"] = sum(

@@ -400,32 +400,26 @@ void merge_partials(const Group& group, const std::vector<Task>& tasks, const at
   const Task& first = tasks[group.first];
   const int64_t M = (first.j1 - first.j0) * G;
   for (int64_t m = 0; m < M; ++m) {
+    auto part = [&](int64_t s) { return partials + (tasks[group.first + s].part + m) * (D + 2); };
     opmath_t max = -std::numeric_limits<opmath_t>::infinity();
-    for (int64_t s = 0; s < group.count; ++s) max = std::max(max, partials[(tasks[group.first + s].part + m) * (D + 2) + D]);
-    const int64_t j = first.j0 + m / G, h = first.kv * G + m % G;
-    scalar_t* dst = out_base + (qsl[first.seq] + j) * o_s0 + h * o_s1;
-    const opmath_t* part0 = partials + (first.part + m) * (D + 2);
-    if (group.count == 1) {  // the common case: one range, no rescaling
-      const opmath_t inv = opmath_t(1) / part0[D + 1];
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(part0[d] * inv);
-      continue;
-    }
+    for (int64_t s = 0; s < group.count; ++s) max = std::max(max, part(s)[D]);
+    // With one range the weight is exp(0) = 1 and the merge is exact: out = acc / sum.
     opmath_t* weights = thread_scratch<opmath_t>(group.count + D);  // [count] exp(max_s - max)
     opmath_t* acc = weights + group.count;                          // [D] the merged output
     opmath_t sum = 0;
     for (int64_t s = 0; s < group.count; ++s) {
-      const opmath_t* part = partials + (tasks[group.first + s].part + m) * (D + 2);
-      weights[s] = std::exp(part[D] - max);
-      sum += weights[s] * part[D + 1];
+      weights[s] = std::exp(part(s)[D] - max);
+      sum += weights[s] * part(s)[D + 1];
     }
     const Vec inv(opmath_t(1) / sum);
     for (int64_t d = 0; d < D; d += W) {
       const int64_t w = std::min(W, D - d);
       Vec a(opmath_t(0));
-      for (int64_t s = 0; s < group.count; ++s)
-        a = at::vec::fmadd(Vec(weights[s]), Vec::loadu(partials + (tasks[group.first + s].part + m) * (D + 2) + d, w), a);
+      for (int64_t s = 0; s < group.count; ++s) a = at::vec::fmadd(Vec(weights[s]), Vec::loadu(part(s) + d, w), a);
       (a * inv).store(acc + d, w);
     }
+    const int64_t j = first.j0 + m / G, h = first.kv * G + m % G;
+    scalar_t* dst = out_base + (qsl[first.seq] + j) * o_s0 + h * o_s1;
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
   }
 }

@@ -16,6 +16,7 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     GraniteConfig,
+    GraniteMoeHybridConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -35,7 +36,7 @@ _COMMON = dict(
     rms_norm_eps=1e-6,
 )
 
-ARCHITECTURES = ("llama", "llama3_tied", "mistral", "granite", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "llama3_tied", "mistral", "granite", "granite4", "granite4_nope", "qwen2", "qwen3")
 
 
 def _config(arch: str, vocab_size: int, eos: int):
@@ -51,6 +52,16 @@ def _config(arch: str, vocab_size: int, eos: int):
     if arch == "granite":
         return GraniteConfig(**_COMMON, **ids, embedding_multiplier=2.0, attention_multiplier=0.2,
                              residual_multiplier=0.5, logits_scaling=0.5, tie_word_embeddings=True)
+    if arch in ("granite4", "granite4_nope"):
+        # Dense Granite 4 (granite-4.0-micro shape): attention layers only, no experts, a
+        # shared MLP whose size differs from intermediate_size, untied head.
+        return GraniteMoeHybridConfig(
+            **{**_COMMON, "intermediate_size": 512}, **ids, shared_intermediate_size=96, num_local_experts=0,
+            layer_types=["attention"] * _COMMON["num_hidden_layers"],
+            position_embedding_type="rope" if arch == "granite4" else None,
+            embedding_multiplier=3.0, attention_multiplier=0.15, residual_multiplier=0.4, logits_scaling=2.0,
+            tie_word_embeddings=False,
+        )
     if arch == "qwen2":
         return Qwen2Config(**_COMMON, **ids, tie_word_embeddings=False)
     if arch == "qwen3":

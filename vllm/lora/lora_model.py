@@ -28,6 +28,10 @@ class ModuleSpec:
     input_size: int
     output_sizes: tuple[int, ...]
     slice_names: tuple[str, ...]  # PEFT module names of the slices, e.g. (q_proj, k_proj, v_proj)
+    # Other full PEFT module paths that land here: (path, slice index), or (path, None) for a
+    # fused PEFT module covering every slice (one A, B split by rows), e.g. Granite 4's
+    # `shared_mlp.input_linear` on our gate_up_proj.
+    aliases: tuple[tuple[str, Optional[int]], ...] = ()
 
 
 @dataclass
@@ -86,14 +90,9 @@ def load_lora_model(
     dtype: torch.dtype,
 ) -> LoRAModel:
     """`specs` maps our module names (e.g. model.layers.0.self_attn.qkv_proj) to their shapes."""
-    # PEFT module path -> (our module, slice index)
-    targets: dict[str, tuple[str, int]] = {}
-    for module_name, spec in specs.items():
-        parent = module_name.rsplit(".", 1)[0]
-        for i, slice_name in enumerate(spec.slice_names):
-            targets[f"{parent}.{slice_name}"] = (module_name, i)
-
+    targets = _peft_targets(specs)
     model = LoRAModel(lora_int_id, name, 0, peft)
+    peft_paths: dict[tuple[str, int], str] = {}  # (our module, slice) -> PEFT module path, for scaling
     for key, tensor in _read_tensors(name, path).items():
         peft_module, which = _split_name(name, key)
         if peft_module not in targets:
@@ -106,15 +105,14 @@ def load_lora_model(
         layer = model.layers.setdefault(
             module_name, LoRALayerWeights([None] * len(spec.output_sizes), [None] * len(spec.output_sizes))
         )
-        if which == "lora_A":
-            layer.lora_a[index] = tensor
-        else:
-            layer.lora_b[index] = tensor
+        for i, part in _slice_parts(name, peft_module, which, tensor, spec, index):
+            (layer.lora_a if which == "lora_A" else layer.lora_b)[i] = part
+            peft_paths[(module_name, i)] = peft_module
 
     for module_name, layer in model.layers.items():
         spec = specs[module_name]
         for i, (a, b) in enumerate(zip(layer.lora_a, layer.lora_b)):
-            peft_module = f"{module_name.rsplit('.', 1)[0]}.{spec.slice_names[i]}"
+            peft_module = peft_paths.get((module_name, i), f"{module_name.rsplit('.', 1)[0]}.{spec.slice_names[i]}")
             if (a is None) != (b is None):
                 raise ValueError(f"LoRA adapter {name!r}: {peft_module} has only one of lora_A / lora_B.")
             if a is None:
@@ -137,3 +135,32 @@ def load_lora_model(
     if not model.layers:
         raise ValueError(f"LoRA adapter {name!r} in {path!r} has no LoRA weights.")
     return model
+
+
+def _peft_targets(specs: dict[str, ModuleSpec]) -> dict[str, tuple[str, Optional[int]]]:
+    """PEFT module path -> (our module, slice index; None: every slice)."""
+    targets: dict[str, tuple[str, Optional[int]]] = {}
+    for module_name, spec in specs.items():
+        parent = module_name.rsplit(".", 1)[0]
+        for i, slice_name in enumerate(spec.slice_names):
+            targets[f"{parent}.{slice_name}"] = (module_name, i)
+        for peft_path, index in spec.aliases:
+            targets[peft_path] = (module_name, index)
+    return targets
+
+
+def _slice_parts(name: str, peft_module: str, which: str, tensor: torch.Tensor, spec: ModuleSpec,
+                 index: Optional[int]) -> list[tuple[int, torch.Tensor]]:
+    """(slice, tensor) pairs of one PEFT weight: itself for one slice; for a fused PEFT
+    module, the same A for every slice and B's rows split by the slices' output sizes."""
+    if index is not None:
+        return [(index, tensor)]
+    count = len(spec.output_sizes)
+    if which == "lora_A":
+        return [(i, tensor) for i in range(count)]
+    if tensor.dim() != 2 or tensor.shape[0] != sum(spec.output_sizes):
+        raise ValueError(
+            f"LoRA adapter {name!r} does not fit this model: {peft_module} has lora_B {tuple(tensor.shape)}, "
+            f"expected {sum(spec.output_sizes)} rows."
+        )
+    return list(enumerate(tensor.split(list(spec.output_sizes), dim=0)))

@@ -96,6 +96,7 @@ class LoRAModelManager:
         self.layers: dict[str, LinearWithLoRA] = {}
         specs: dict[str, ModuleSpec] = {}
         packed = dict(getattr(model, "packed_modules_mapping", {}))
+        aliases = dict(getattr(model, "peft_module_aliases", {}))
         for name, module in list(model.named_modules()):
             leaf = name.rsplit(".", 1)[-1]
             slices = tuple(packed.get(leaf, ())) or _DEFAULT_SLICES.get(leaf)
@@ -104,7 +105,10 @@ class LoRAModelManager:
             wrapped = LinearWithLoRA(module, lora_config.max_loras, lora_config.max_lora_rank, self.punica)
             model.set_submodule(name, wrapped)
             self.layers[name] = wrapped
-            specs[name] = ModuleSpec(module.input_size, tuple(module.output_sizes), slices)
+            specs[name] = ModuleSpec(module.input_size, tuple(module.output_sizes), slices, tuple(
+                (name[: -len(ours)] + theirs, index)
+                for theirs, (ours, index) in aliases.items() if name.endswith("." + ours)
+            ))
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no layers LoRA can adapt.")
         self.adapters = AdapterCache(lora_config, specs, dtype, tokenizer_dir)

@@ -42,6 +42,8 @@ class DecoderOptions:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0  # scales each block's output before the residual add
     logits_scaling: float = 1.0  # logits are divided by it
+    rope: bool = True  # False: no positional encoding in attention (NoPE)
+    intermediate_size: Optional[int] = None  # None: the config's intermediate_size
 
 
 def head_size_of(config: Any) -> int:
@@ -68,7 +70,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"Only the 'silu' activation is supported, the config has {config.hidden_act!r}.")
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, options.intermediate_size or config.intermediate_size
         self.gate_up_proj = Linear(hidden, [inter, inter], options.mlp_bias, dtype, device)
         self.down_proj = Linear(inter, [hidden], options.mlp_bias, dtype, device)
 
@@ -82,7 +84,7 @@ class LlamaAttention(nn.Module):
         self,
         config: Any,
         options: DecoderOptions,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: Optional[RotaryEmbedding],
         dtype: torch.dtype,
         device: torch.device,
     ):
@@ -99,7 +101,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype, device)
         self.qk_norm = options.qk_norm
-        self.rotary_emb = rotary_emb  # shared by all layers
+        self.rotary_emb = rotary_emb  # shared by all layers; None: NoPE
         scale = options.attention_scale if options.attention_scale is not None else self.head_size**-0.5
         self.attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads, device)
 
@@ -117,7 +119,8 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_size)  # [num_tokens, num_kv_heads, head_size]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.view(n, -1), k.view(n, -1), v, kv_cache, attn_metadata)  # [num_tokens, q_size]
         return self.o_proj(out)
 
@@ -127,7 +130,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         config: Any,
         options: DecoderOptions,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: Optional[RotaryEmbedding],
         dtype: torch.dtype,
         device: torch.device,
     ):
@@ -167,9 +170,11 @@ class LlamaModel(nn.Module):
         self.embedding_multiplier = options.embedding_multiplier
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device)
         # One cos/sin cache for all layers: at 128k positions it is tens of MB.
-        rotary_emb = RotaryEmbedding(
-            head_size_of(config), config.max_position_embeddings, rope_parameters(config), dtype, device
-        )
+        rotary_emb = None
+        if options.rope:
+            rotary_emb = RotaryEmbedding(
+                head_size_of(config), config.max_position_embeddings, rope_parameters(config), dtype, device
+            )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, options, rotary_emb, dtype, device) for _ in range(config.num_hidden_layers)
         )

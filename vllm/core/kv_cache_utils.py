@@ -10,6 +10,12 @@ with end <= alora_invocation_start was computed with the base weights, so it get
 no adapter key and is the very same block as the base model's, both ways. Every
 later block carries the adapter key; chaining makes it request-specific. A plain
 LoRA behaves as if its invocation started at 0.
+
+Adapters embedded in the checkpoint (Granite Switch) need no key: a token's adapter is
+a function of the token ids before it (the last control token), and a control id
+differs from the substitute id the base sequence holds there, so the chained hash
+already makes blocks before a request's first control token the base model's blocks
+and every block from it on specific to the request.
 """
 
 from __future__ import annotations

@@ -72,17 +72,12 @@ class EngineArgs:
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log engine statistics."))
 
     def create_engine_config(self, usage: str = "llm") -> VllmConfig:
-        from transformers import AutoConfig
-
-        from vllm.model_executor.hf_files import resolve_model_dir
+        from vllm.model_executor.hf_files import load_hf_config, resolve_model_dir
 
         platform = current_platform(self.device)
         model_dir = self._resolve_model_dir(resolve_model_dir)
         tokenizer_dir = resolve_model_dir(self.tokenizer, self.revision) if self.tokenizer else model_dir
-        try:
-            hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"Could not read the model config in {model_dir!r}: {e}") from e
+        hf_config = load_hf_config(model_dir, self.trust_remote_code)
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ValueError(f"The config in {model_dir!r} names no architecture (config.json 'architectures').")

@@ -112,6 +112,22 @@ class Processor:
         if bad:
             raise ValueError(f"Prompt token ids must be in [0, {vocab}); got {bad[:5]}.")
 
+    def _refuse_control_tokens(self, lora_request: LoRARequest, prompt_token_ids: list[int]) -> None:
+        """A runtime adapter and an embedded one (Granite Switch control token) cannot both
+        govern a request: its tokens would be computed with one and cached as the other."""
+        switch = getattr(self.model_config.hf_config, "switch", None)
+        if switch is None:
+            return
+        controls = switch.control_to_adapter()
+        found = sorted({t for t in prompt_token_ids if t in controls})
+        if found:
+            names = self.tokenizer.convert_ids_to_tokens(found)
+            raise ValueError(
+                f"The prompt holds Granite Switch control tokens {names} but also names the runtime adapter "
+                f"{lora_request.lora_name!r}; use one or the other (control tokens select the checkpoint's "
+                "embedded adapters)."
+            )
+
     def _resolve_lora(self, lora_request: Optional[LoRARequest], prompt_token_ids: list[int]) -> Optional[int]:
         if lora_request is None:
             return None
@@ -123,6 +139,7 @@ class Processor:
                 "start the engine with enable_lora=True (--enable-lora)."
             )
         adapter = self.lora_adapters.get(lora_request)
+        self._refuse_control_tokens(lora_request, prompt_token_ids)
         invocation = adapter.invocation_tokens
         if not invocation:
             return None

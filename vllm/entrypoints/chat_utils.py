@@ -4,12 +4,26 @@ Shared by `LLM.chat` and the server. Message content may be a string or a list o
 OpenAI content parts (text parts are joined); roles are passed through unchanged,
 so custom roles (e.g. an intrinsic's role) reach the template. `documents`, `tools`
 and any `chat_template_kwargs` are handed to the template as variables.
+
+On a checkpoint with embedded adapters (Granite Switch), `chat_template_kwargs`'s
+`adapter_name` selects one: the checkpoint's own template places its control token, and
+`check_adapter_name` refuses a name the checkpoint does not embed.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any, Optional
+
+
+def check_adapter_name(model_config: Any, chat_template_kwargs: Optional[dict]) -> None:
+    """ValueError if `adapter_name` names no adapter of a checkpoint with embedded adapters."""
+    switch = getattr(model_config.hf_config, "switch", None)
+    name = (chat_template_kwargs or {}).get("adapter_name")
+    if switch is not None and name is not None:
+        if not isinstance(name, str):
+            raise ValueError(f"chat_template_kwargs.adapter_name must be a string, got {type(name).__name__}.")
+        switch.adapter_index(name)
 
 
 def load_chat_template(chat_template: Optional[str]) -> Optional[str]:

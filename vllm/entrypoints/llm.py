@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
-from vllm.entrypoints.chat_utils import apply_chat_template, load_chat_template
+from vllm.entrypoints.chat_utils import apply_chat_template, check_adapter_name, load_chat_template
 from vllm.inputs import PromptType, TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
@@ -67,6 +67,7 @@ class LLM:
         chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        check_adapter_name(self.llm_engine.model_config, chat_template_kwargs)
         template = load_chat_template(chat_template)
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []

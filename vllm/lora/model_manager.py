@@ -1,6 +1,11 @@
 """Adapter residency: a host-memory cache of loaded adapters (`max_cpu_loras`, LRU) and
 `max_loras` device slots (LRU) that the model's LoRA layers read.
 
+Adapters embedded in the checkpoint (Granite Switch) are pinned first, one per slot
+`0 .. num_embedded - 1`, and never evicted; runtime adapters take the `max_loras`
+slots after them, so the two never compete. A model with embedded adapters gets LoRA
+layers even when runtime LoRA is off (`lora_config` None; then `adapters` is None).
+
 `LoRAModelManager` wraps every adaptable linear layer of the model in
 `LinearWithLoRA` at start-up. Each step, `activate` makes the step's adapters
 resident (loading into free or least-recently-used slots that the step does not
@@ -89,9 +94,14 @@ class AdapterCache:
 
 
 class LoRAModelManager:
-    def __init__(self, model: nn.Module, lora_config: LoRAConfig, max_num_tokens: int, dtype: torch.dtype,
+    def __init__(self, model: nn.Module, lora_config: Optional[LoRAConfig], max_num_tokens: int, dtype: torch.dtype,
                  device: torch.device, tokenizer_dir: str = ""):
         self.config = lora_config
+        embedded = model.embedded_adapters() if hasattr(model, "embedded_adapters") else []
+        self.num_embedded = len(embedded)
+        self.max_loras = lora_config.max_loras if lora_config is not None else 0
+        max_rank = max(lora_config.max_lora_rank if lora_config is not None else 0,
+                       getattr(model, "embedded_max_rank", 0))
         self.punica = PunicaWrapper(max_num_tokens, device)
         self.layers: dict[str, LinearWithLoRA] = {}
         specs: dict[str, ModuleSpec] = {}
@@ -102,7 +112,7 @@ class LoRAModelManager:
             slices = tuple(packed.get(leaf, ())) or _DEFAULT_SLICES.get(leaf)
             if slices is None or not hasattr(module, "output_sizes"):
                 continue
-            wrapped = LinearWithLoRA(module, lora_config.max_loras, lora_config.max_lora_rank, self.punica)
+            wrapped = LinearWithLoRA(module, self.num_embedded + self.max_loras, max_rank, self.punica)
             model.set_submodule(name, wrapped)
             self.layers[name] = wrapped
             specs[name] = ModuleSpec(module.input_size, tuple(module.output_sizes), slices, tuple(
@@ -111,14 +121,17 @@ class LoRAModelManager:
             ))
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no layers LoRA can adapt.")
-        self.adapters = AdapterCache(lora_config, specs, dtype, tokenizer_dir)
+        for slot, weights in enumerate(embedded):
+            for name, layer in self.layers.items():
+                layer.set_lora(slot, weights.get(name))
+        self.adapters = AdapterCache(lora_config, specs, dtype, tokenizer_dir) if lora_config is not None else None
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
 
     def activate(self, lora_requests: list[Optional[LoRARequest]]) -> dict[int, int]:
         """Make the step's adapters resident; returns lora_int_id -> slot."""
         needed = {r.lora_int_id: r for r in lora_requests if r is not None}
-        if len(needed) > self.config.max_loras:
-            raise AssertionError(f"{len(needed)} adapters in one step exceed max_loras={self.config.max_loras}")
+        if len(needed) > self.max_loras:
+            raise AssertionError(f"{len(needed)} adapters in one step exceed max_loras={self.max_loras}")
         for lora_int_id, request in needed.items():
             if lora_int_id in self._slots:
                 self._slots.move_to_end(lora_int_id)
@@ -132,7 +145,7 @@ class LoRAModelManager:
 
     def _free_slot(self, needed: dict) -> int:
         used = set(self._slots.values())
-        for slot in range(self.config.max_loras):
+        for slot in range(self.num_embedded, self.num_embedded + self.max_loras):
             if slot not in used:
                 return slot
         for lora_int_id, slot in self._slots.items():
@@ -144,4 +157,5 @@ class LoRAModelManager:
     def remove_adapter(self, lora_int_id: int) -> None:
         """Forget an adapter (runtime unload): its slot and host copy."""
         self._slots.pop(lora_int_id, None)
-        self.adapters.remove(lora_int_id)
+        if self.adapters is not None:
+            self.adapters.remove(lora_int_id)

@@ -6,6 +6,8 @@
 - `find_weight_files`: which files of a folder hold the weights, in order of
   preference: sharded safetensors (via `model.safetensors.index.json`), any
   `*.safetensors`, then PyTorch `pytorch_model*.bin`.
+- `load_hf_config`: the model's config: transformers' `AutoConfig`, except for formats
+  transformers does not know that the engine reads itself (Granite Switch).
 - `iterate_weights`: `(name, tensor)` pairs, one tensor at a time. safetensors are
   opened with `safe_open` (memory-mapped; each tensor is read when asked for), so a
   checkpoint is never materialised as a whole state dict.
@@ -121,3 +123,23 @@ def iterate_weights(files: list[str], fmt: str) -> Iterator[tuple[str, torch.Ten
             state = torch.load(path, map_location=lambda storage, _: storage, weights_only=True, mmap=True)
             yield from state.items()
             del state
+
+
+def load_hf_config(model_dir: str, trust_remote_code: bool = False):
+    """The HF config of the model in `model_dir` (ValueError if it cannot be read)."""
+    from transformers import AutoConfig
+
+    from vllm.model_executor.models.granite_switch_config import is_granite_switch, load_granite_switch_config
+
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"Could not read the model config {path!r}: {e}") from e
+    if is_granite_switch(raw):
+        return load_granite_switch_config(model_dir, raw)
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Could not read the model config in {model_dir!r}: {e}") from e

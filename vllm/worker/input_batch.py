@@ -9,17 +9,21 @@ need logits.
 The adapter map is the runner's aLoRA rule (one of the three places that know
 aLoRA exists):
     token_lora_mapping[t] = slot(req) if position[t] >= start(req) else -1
-with start = 0 for plain LoRAs and slot = -1 for base requests.
+with start = 0 for plain LoRAs and slot = -1 for base requests. On a checkpoint with
+embedded adapters (Granite Switch), a request without a runtime adapter is routed by
+its control tokens instead (`ControlTokenRouter`: the slot of the last control token
+at or before each position).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 
+from vllm.lora.control_tokens import ControlTokenRouter, ScanState
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
@@ -35,6 +39,7 @@ class CachedRequestState:
     lora_request: Optional[LoRARequest]
     alora_invocation_start: Optional[int]
     generator: Optional[torch.Generator]
+    control_scan: ScanState = field(default_factory=ScanState)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -63,9 +68,11 @@ def build_step_inputs(
     num_scheduled: list[int],
     block_size: int,
     lora_slots: Optional[dict[int, int]],
+    router: Optional[ControlTokenRouter] = None,
 ) -> StepInputs:
     """`states` are in batch order with `num_scheduled[i]` new tokens each; `lora_slots`
-    maps lora_int_id -> slot for the adapters of this step (None: LoRA disabled)."""
+    maps lora_int_id -> slot for the adapters of this step (None: LoRA disabled);
+    `router` routes requests without a runtime adapter by their control tokens."""
     n = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
     cu = np.zeros(len(states) + 1, dtype=np.int64)
@@ -102,7 +109,7 @@ def build_step_inputs(
         seq_lens=seq_lens,
         block_table=block_table,
         num_decodes=int(np.argmax(n != 1)) if (n != 1).any() else len(states),
-        token_lora_mapping=_lora_mapping(states, req_index, positions, lora_slots),
+        token_lora_mapping=_lora_mapping(states, req_index, positions, lora_slots, input_ids, cu, router),
         sample_rows=samples,
         logits_indices=(cu[1:][samples] - 1) if samples else np.zeros(0, dtype=np.int64),
         prompt_logprob_spans=spans,
@@ -114,6 +121,9 @@ def _lora_mapping(
     req_index: np.ndarray,
     positions: np.ndarray,
     lora_slots: Optional[dict[int, int]],
+    input_ids: np.ndarray,
+    query_start_loc: np.ndarray,
+    router: Optional[ControlTokenRouter],
 ) -> Optional[np.ndarray]:
     if lora_slots is None:
         return None
@@ -121,4 +131,11 @@ def _lora_mapping(
         [lora_slots[s.lora_request.lora_int_id] if s.lora_request else -1 for s in states], dtype=np.int32
     )
     start = np.array([s.alora_invocation_start or 0 for s in states], dtype=np.int64)
-    return np.where(positions >= start[req_index], slot[req_index], -1).astype(np.int32)
+    mapping = np.where(positions >= start[req_index], slot[req_index], -1).astype(np.int32)
+    if router is None:
+        return mapping
+    carry = np.array([router.adapter_before(s.control_scan, s.token_ids, s.num_computed_tokens) for s in states],
+                     dtype=np.int32)
+    routed = router.slots(router.route(input_ids, query_start_loc, carry))
+    runtime = np.array([s.lora_request is not None for s in states])
+    return np.where(runtime[req_index], mapping, routed)

@@ -44,6 +44,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: Optional[torch.nn.Module] = None
         self.lora_manager = None
+        self.router = None  # ControlTokenRouter for checkpoints with embedded adapters
         self.kv_caches: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ set-up
@@ -56,7 +57,12 @@ class ModelRunner:
                     module.pack_for_onednn(batch_hint=_ONEDNN_BATCH_HINT)
 
     def _wrap_lora(self) -> None:
-        if self.config.lora_config is not None:
+        switch = getattr(self.model_config.hf_config, "switch", None)
+        if switch is not None:
+            from vllm.lora.control_tokens import ControlTokenRouter
+
+            self.router = ControlTokenRouter(self.model_config.vocab_size, switch.control_to_adapter())
+        if self.config.lora_config is not None or switch is not None:
             from vllm.lora.model_manager import LoRAModelManager
 
             self.lora_manager = LoRAModelManager(
@@ -106,7 +112,8 @@ class ModelRunner:
             lora_slots = self.lora_manager.activate([self.requests[r].lora_request for r in sched.num_scheduled_tokens])
         order = self._batch_order(sched, lora_slots)
         states = [self.requests[r] for r in order]
-        inputs = build_step_inputs(states, [sched.num_scheduled_tokens[r] for r in order], self.block_size, lora_slots)
+        inputs = build_step_inputs(states, [sched.num_scheduled_tokens[r] for r in order], self.block_size, lora_slots,
+                                   self.router)
         if self.lora_manager is not None:
             self.lora_manager.punica.update(inputs.token_lora_mapping)
 

@@ -22,7 +22,7 @@ import json
 from typing import AsyncIterator, Optional, Union
 
 from vllm.engine.async_llm import AsyncLLM, RequestStream
-from vllm.entrypoints.chat_utils import apply_chat_template
+from vllm.entrypoints.chat_utils import apply_chat_template, check_adapter_name
 from vllm.entrypoints.openai.errors import BadRequestError, classify, error_body
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.response_models import (
@@ -66,9 +66,11 @@ class OpenAIServingChat(OpenAIServing):
         if request.chat_template is not None:
             raise BadRequestError("A chat template in the request is not accepted; start the server with "
                                   "--chat-template instead.", param="chat_template")
+        template_kwargs = self.models.chat_template_kwargs(request.model, request.chat_template_kwargs)
+        check_adapter_name(self.engine.model_config, template_kwargs)
         text = apply_chat_template(
             self.tokenizer, request.message_dicts(), self.chat_template, request.add_generation_prompt,
-            request.continue_final_message, request.tools, request.documents, request.chat_template_kwargs,
+            request.continue_final_message, request.tools, request.documents, template_kwargs,
         )
         ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         params = request.to_sampling_params(self.max_tokens_for(len(ids), request.requested_max_tokens))

@@ -7,6 +7,10 @@ the `/v1/models` listing, and the resolution of a request's `model` field.
 Invariants:
 - A request naming the base model (or no model) uses no adapter; a request naming an
   adapter uses it; any other name is a 404 "The model `x` does not exist.".
+- Adapters embedded in the checkpoint (Granite Switch) are listed and addressed by name
+  like runtime adapters, but select no `LoRARequest`: a chat request naming one renders
+  with `chat_template_kwargs.adapter_name` set to it (the checkpoint's template places the
+  control token); a completion request's prompt carries its control tokens itself.
 - Every registered adapter was loaded and validated by the engine first
   (`AsyncLLM.add_lora`), so a bad adapter is refused when it is registered, not when
   the first request uses it.
@@ -64,13 +68,15 @@ class OpenAIServingModels:
         self.max_model_len = max_model_len
         self.static_lora_modules = list(lora_modules or [])
         self.lora_requests: dict[str, LoRARequest] = {}
+        switch = getattr(engine.model_config.hf_config, "switch", None)
+        self.embedded_adapters: tuple[str, ...] = switch.adapter_names if switch is not None else ()
         self._next_id = itertools.count(1)
         self._lock = asyncio.Lock()
 
     async def init_static_loras(self) -> None:
         """Load every `--lora-modules` adapter; raises ValueError naming a bad one."""
         for module in self.static_lora_modules:
-            if module.name in self.lora_requests or module.name == self.base_model_name:
+            if self._taken(module.name):
                 raise ValueError(f"--lora-modules names {module.name!r} twice (or it is the base model's name).")
             request = LoRARequest(module.name, next(self._next_id), module.path,
                                   base_model_name=module.base_model_name)
@@ -88,9 +94,22 @@ class OpenAIServingModels:
     def is_base_model(self, name: Optional[str]) -> bool:
         return name is None or name == self.base_model_name
 
+    def _taken(self, name: str) -> bool:
+        return name in self.lora_requests or name == self.base_model_name or name in self.embedded_adapters
+
+    def chat_template_kwargs(self, name: Optional[str], kwargs: Optional[dict]) -> Optional[dict]:
+        """The request's template kwargs, with `adapter_name` set when `name` is an embedded adapter."""
+        if name not in self.embedded_adapters:
+            return kwargs
+        given = (kwargs or {}).get("adapter_name")
+        if given is not None and given != name:
+            raise BadRequestError(f"model {name!r} and chat_template_kwargs.adapter_name {given!r} name different "
+                                  "adapters.", param="chat_template_kwargs")
+        return {**(kwargs or {}), "adapter_name": name}
+
     def resolve(self, name: Optional[str]) -> Optional[LoRARequest]:
         """The adapter a request's `model` field selects (None: the base model)."""
-        if self.is_base_model(name):
+        if self.is_base_model(name) or name in self.embedded_adapters:
             return None
         request = self.lora_requests.get(name)
         if request is None:
@@ -99,6 +118,9 @@ class OpenAIServingModels:
 
     def show_available_models(self) -> ModelList:
         cards = [ModelCard(id=self.base_model_name, root=self.base_model_path, max_model_len=self.max_model_len)]
+        for name in self.embedded_adapters:
+            cards.append(ModelCard(id=name, root=self.base_model_path, parent=self.base_model_name,
+                                   max_model_len=self.max_model_len))
         for lora in self.lora_requests.values():
             cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path,
                                    parent=lora.base_model_name or self.base_model_name))
@@ -108,7 +130,7 @@ class OpenAIServingModels:
         if not request.lora_name or not request.lora_path:
             raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.", err_type="InvalidUserInput")
         async with self._lock:
-            if request.lora_name in self.lora_requests or request.lora_name == self.base_model_name:
+            if self._taken(request.lora_name):
                 raise BadRequestError(f"The lora adapter '{request.lora_name}' has already been loaded.",
                                       err_type="InvalidUserInput")
             lora = LoRARequest(request.lora_name, next(self._next_id), request.lora_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from vllm.model_executor.models.granite import GraniteForCausalLM
+from vllm.model_executor.models.granite_switch import GraniteSwitchForCausalLM
 from vllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM, MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -21,6 +22,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    # The format's three architecture names are one class (Shadow-Residual ones are refused at config load).
+    "GraniteSwitchForCausalLM": GraniteSwitchForCausalLM,
+    "SRSwitchForCausalLM": GraniteSwitchForCausalLM,
+    "ShadowResidualForCausalLM": GraniteSwitchForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

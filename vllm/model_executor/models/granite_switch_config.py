@@ -110,6 +110,9 @@ def _refuse_unsupported(config: dict) -> None:
             "This Granite Switch checkpoint uses Shadow-Residual adapters (dual_stream / cross_stream_rank), "
             "which are not supported. Supported: single-stream LoRA and aLoRA Switch checkpoints."
         )
+    if config.get("asr_enabled"):
+        raise ValueError("This Granite Switch checkpoint enables the audio front-end (asr_enabled), which is not "
+                         "supported; text-only checkpoints are.")
     if config.get("unfused_qkv"):
         raise ValueError("Granite Switch checkpoints with unfused_qkv=True are not supported (as in granite-switch).")
 

@@ -12,7 +12,7 @@ after that they never change. Invariants checked here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -34,6 +34,8 @@ class ModelConfig:
     served_model_name: str = ""
     chat_template: Optional[str] = None
     trust_remote_code: bool = False
+    # SamplingParams field -> default for fields a request leaves unset (vllm/sampling_defaults.py)
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:

@@ -22,6 +22,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.platforms import current_platform, resolve_dtype
+from vllm.sampling_defaults import load_sampling_defaults, parse_overrides
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -69,6 +70,12 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Adapters cached in host memory (>= max_loras)."))
     enforce_eager: bool = field(default=False, metadata=_help(
         "Accepted for vLLM compatibility; every step runs eagerly (CUDA graphs are not implemented yet)."))
+    generation_config: str = field(default="auto", metadata=_help(
+        "Where default sampling parameters come from: auto (the model's generation_config.json), vllm (none), "
+        "or a folder holding a generation_config.json."))
+    override_generation_config: Optional[str] = field(default=None, metadata=_help(
+        "JSON object of default sampling parameters that replace the generation config's, e.g. "
+        "'{\"temperature\": 0.5}'."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log engine statistics."))
 
     def create_engine_config(self, usage: str = "llm") -> VllmConfig:
@@ -82,11 +89,13 @@ class EngineArgs:
         if not architectures:
             raise ValueError(f"The config in {model_dir!r} names no architecture (config.json 'architectures').")
         max_model_len = self._max_model_len(hf_config)
+        sampling_defaults = load_sampling_defaults(model_dir, self.generation_config,
+                                                   parse_overrides(self.override_generation_config))
         model_config = ModelConfig(
             model=self.model, model_dir=model_dir, tokenizer_dir=tokenizer_dir, hf_config=hf_config,
             architecture=architectures[0], dtype=resolve_dtype(self.dtype, platform), max_model_len=max_model_len,
             seed=self.seed, load_format=self.load_format, served_model_name=self.served_model_name or self.model,
-            trust_remote_code=self.trust_remote_code,
+            trust_remote_code=self.trust_remote_code, sampling_defaults=sampling_defaults,
         )
         default_budget = 8192 if usage == "llm" else 2048
         scheduler_config = SchedulerConfig(

@@ -19,10 +19,13 @@ from vllm.engine.detokenizer import IncrementalDetokenizer
 from vllm.engine.output_processor import OutputProcessor, ParentState, SequenceState
 from vllm.engine.processor import Processor
 from vllm.inputs import PromptType
+from vllm.logger import init_logger
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestMetrics, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizer import generation_eos_token_ids, get_tokenizer
+
+logger = init_logger(__name__)
 
 
 class LLMEngine:
@@ -38,6 +41,9 @@ class LLMEngine:
         self.engine_core = EngineCore(vllm_config, self.structured_output_manager)
         self.vllm_config = vllm_config
         self.model_config = model_config
+        if model_config.sampling_defaults:
+            logger.info("Default sampling parameters from the generation config (--generation-config vllm to "
+                        "ignore): %s", model_config.sampling_defaults)
         self.processor = Processor(
             vllm_config,
             self.tokenizer,

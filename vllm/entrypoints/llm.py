@@ -37,7 +37,8 @@ class LLM:
         return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams()
+        """vLLM's defaults, overridden by the model's generation config (`--generation-config`)."""
+        return SamplingParams(**self.llm_engine.model_config.sampling_defaults)
 
     def generate(
         self,
@@ -49,7 +50,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = self._per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params = self._per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts),
+                                  "sampling_params")
         loras = self._per_prompt(lora_request, len(prompts), "lora_request")
         return self._run(prompts, params, loras, use_tqdm)
 

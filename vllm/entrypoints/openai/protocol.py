@@ -99,8 +99,15 @@ class _SamplingRequest(OpenAIBaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                         prompt_logprobs: Optional[int]) -> SamplingParams:
-        """Raises ValueError (answered 400) for values SamplingParams rejects."""
+                         prompt_logprobs: Optional[int], defaults: Optional[dict[str, Any]]) -> SamplingParams:
+        """Raises ValueError (answered 400) for values SamplingParams rejects. `defaults`
+        (the model's generation config) fill the sampling fields the request leaves unset."""
+        defaults = defaults or {}
+
+        def unset(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
         structured = structured_outputs_from_request(
             self.structured_outputs, self.response_format, guided_json=self.guided_json,
             guided_regex=self.guided_regex, guided_choice=self.guided_choice, guided_grammar=self.guided_grammar,
@@ -108,13 +115,13 @@ class _SamplingRequest(OpenAIBaseModel):
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                temperature=unset("temperature", 1.0),
+                top_p=unset("top_p", 1.0),
+                top_k=unset("top_k", 0),
+                min_p=unset("min_p", 0.0),
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=unset("repetition_penalty", 1.0),
                 seed=self.seed,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
@@ -162,12 +169,12 @@ class CompletionRequest(_SamplingRequest):
             return [list(self.prompt)]  # one prompt given as token ids
         return list(self.prompt)
 
-    def to_sampling_params(self, max_tokens: Optional[int]) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: Optional[int], defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         # echo with logprobs also scores the prompt, as vLLM does.
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ChatMessageParam(BaseModel):
@@ -210,9 +217,9 @@ class ChatCompletionRequest(_SamplingRequest):
         # max_completion_tokens is OpenAI's newer name; it wins, as in vLLM.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: Optional[int]) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: Optional[int], defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults)
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]

@@ -73,7 +73,8 @@ class OpenAIServingChat(OpenAIServing):
             request.continue_final_message, request.tools, request.documents, template_kwargs,
         )
         ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        params = request.to_sampling_params(self.max_tokens_for(len(ids), request.requested_max_tokens))
+        params = request.to_sampling_params(self.max_tokens_for(len(ids), request.requested_max_tokens),
+                                            self.sampling_defaults)
         request_id = random_id("chatcmpl")
         streams = await self.submit(request_id, [TokensPrompt(prompt=text, prompt_token_ids=ids)], [params],
                                     lora_request, request.cache_salt)

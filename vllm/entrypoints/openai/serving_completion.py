@@ -56,7 +56,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append(TokensPrompt(prompt=prompt, prompt_token_ids=ids))
             else:
                 prompts.append(TokensPrompt(prompt_token_ids=list(prompt)))
-        params = [request.to_sampling_params(self.max_tokens_for(len(p["prompt_token_ids"]), request.max_tokens))
+        params = [request.to_sampling_params(self.max_tokens_for(len(p["prompt_token_ids"]), request.max_tokens),
+                                             self.sampling_defaults)
                   for p in prompts]
         request_id = random_id("cmpl")
         streams = await self.submit(request_id, prompts, params, lora_request, request.cache_salt)

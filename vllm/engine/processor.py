@@ -75,6 +75,7 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         params.verify_against_vocab(self.model_config.vocab_size)
+        self._check_logprobs(params)
         alora_start = self._resolve_lora(lora_request, prompt_token_ids)
         grammar = None
         if params.structured_outputs is not None:
@@ -97,6 +98,13 @@ class Processor:
             block_hasher=self._block_hasher,
             grammar=grammar,
         )
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        limit = self.model_config.max_logprobs
+        for name, value in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
+            if value is not None and value > limit:
+                raise ValueError(f"Requested {name} of {value}, which is greater than max allowed: {limit} "
+                                 "(raise --max-logprobs).")
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

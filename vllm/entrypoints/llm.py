@@ -22,8 +22,6 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     def __init__(self, model: str, tokenizer: Optional[str] = None, **kwargs: Any):
-        if kwargs.pop("tensor_parallel_size", 1) != 1:
-            raise ValueError("tensor_parallel_size must be 1: this engine runs on one device.")
         if kwargs.get("seed") is None:
             kwargs.pop("seed", None)  # vLLM's LLM takes seed=None; ours defaults to 0
         try:

@@ -44,7 +44,8 @@ def _unreachable(model: str, reason: str) -> ValueError:
     )
 
 
-def resolve_model_dir(model: str, revision: Optional[str] = None) -> str:
+def resolve_model_dir(model: str, revision: Optional[str] = None, cache_dir: Optional[str] = None,
+                      token: Optional[str] = None) -> str:
     """A local folder holding `model`'s config, tokenizer and weights."""
     if os.path.isdir(model):
         return model
@@ -58,6 +59,8 @@ def resolve_model_dir(model: str, revision: Optional[str] = None) -> str:
         return snapshot_download(
             model,
             revision=revision,
+            cache_dir=cache_dir,
+            token=token,
             allow_patterns=patterns,
             ignore_patterns=_IGNORE_PATTERNS,
             local_files_only=offline,  # offline: the hub cache only

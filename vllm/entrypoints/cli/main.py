@@ -2,7 +2,9 @@
 
 What it owns: the top-level parser, subcommand dispatch, and `FlexibleArgumentParser`,
 which accepts every `--foo-bar` flag also as `--foo_bar` (as vLLM's parser does) by
-normalising option names, never option values, before argparse sees them.
+normalising option names, never option values, before argparse sees them, and reads
+`--config FILE.yaml` (a mapping of flag names to values) as if its flags were given,
+flags on the command line winning over the file's.
 """
 
 from __future__ import annotations
@@ -16,8 +18,26 @@ from vllm.version import __version__
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
     def parse_known_args(self, args: Optional[Sequence[str]] = None, namespace=None):
-        argv = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(normalize_flags(argv), namespace)
+        argv = normalize_flags(list(sys.argv[1:] if args is None else args))
+        if "--config" in self._option_string_actions:
+            argv = self._expand_config(argv)
+        return super().parse_known_args(argv, namespace)
+
+    def _expand_config(self, argv: list[str]) -> list[str]:
+        """Replace `--config FILE` by the file's flags that the command line does not set."""
+        path = None
+        for i, arg in enumerate(argv):
+            if arg == "--config" and i + 1 < len(argv):
+                path, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+                break
+            if arg.startswith("--config="):
+                path, argv = arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+                break
+        if path is None:
+            return argv
+        given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("-")}
+        return argv + [a for key, value in _read_config(self, path).items() if key not in given
+                       for a in _config_flag(self, key, value)]
 
 
 def normalize_flags(argv: list[str]) -> list[str]:
@@ -32,6 +52,35 @@ def normalize_flags(argv: list[str]) -> list[str]:
             arg = "--" + name[2:].replace("_", "-") + sep + value
         result.append(arg)
     return result
+
+
+def _read_config(parser: argparse.ArgumentParser, path: str) -> dict[str, object]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        parser.error(f"cannot read --config {path!r}: {e}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path!r} must hold a mapping of option names to values")
+    return {"--" + str(k).replace("_", "-"): v for k, v in data.items()}
+
+
+def _config_flag(parser: argparse.ArgumentParser, flag: str, value: object) -> list[str]:
+    """The command-line form of one config entry."""
+    import json
+
+    action = parser._option_string_actions.get(flag)
+    if action is None:
+        parser.error(f"unrecognized option in the --config file: {flag[2:]!r}")
+    if isinstance(value, bool):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value else []
+    if isinstance(value, list):
+        return [flag, *map(str, value)]
+    return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
 def make_parser() -> FlexibleArgumentParser:

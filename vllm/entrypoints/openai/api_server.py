@@ -10,9 +10,13 @@ Invariants:
 - A client that goes away aborts its request: a stream's generator is cancelled by
   Starlette, and a non-streaming handler is raced against the connection's
   `http.disconnect` (what vLLM's `with_cancellation` does).
-- With an API key (`--api-key` or VLLM_API_KEY) every /v1 route needs
-  `Authorization: Bearer <key>`; /health, /ping, /version and /metrics stay open.
+- With API keys (`--api-key`, several allowed, or VLLM_API_KEY) every /v1 route needs
+  `Authorization: Bearer <one of them>`; /health, /ping, /version and /metrics stay open.
+- CORS headers are sent only when `--allowed-origins` is given (as in vLLM).
 - Shutdown joins the engine thread.
+
+`python -m vllm.entrypoints.openai.api_server` runs the same server with the same flags as
+`vllm serve`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm import envs
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.entrypoints.chat_utils import load_chat_template
-from vllm.entrypoints.openai.cli_args import engine_args_from
+from vllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
 from vllm.entrypoints.openai.errors import error_response, install_error_handlers
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import (
@@ -46,6 +50,7 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.entrypoints.openai.request_logger import RequestLogger
 from vllm.logger import init_logger
 from vllm.version import __version__
 
@@ -58,14 +63,15 @@ lora_router = APIRouter()
 class APIKeyMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware), so streaming and disconnects pass through untouched."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_keys: list[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}"
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "")
-            if not secrets.compare_digest(given.encode(), self.expected.encode()):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            # Compare with every key (no early exit), so timing does not tell which key nearly matched.
+            if not sum(secrets.compare_digest(given, key) for key in self.expected):
                 await error_response("Unauthorized", 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -159,7 +165,7 @@ async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Re
 
 
 def build_app(args: argparse.Namespace, engine: AsyncLLM, models: OpenAIServingModels, metrics: ServerMetrics,
-              api_key: Optional[str], chat_template: Optional[str]) -> FastAPI:
+              api_keys: list[str], chat_template: Optional[str]) -> FastAPI:
     app = FastAPI(title="vllm", version=__version__, root_path=args.root_path or "")
     app.include_router(router)
     if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
@@ -167,31 +173,37 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, models: OpenAIServingM
                        "in production.")
         app.include_router(lora_router)
     install_error_handlers(app)
-    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
-                       allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if args.allowed_origins is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                           allow_credentials=args.allow_credentials, allow_methods=args.allowed_methods,
+                           allow_headers=args.allowed_headers)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.state.engine = engine
     app.state.models = models
     app.state.metrics = metrics
-    app.state.serving_completion = OpenAIServingCompletion(engine, models)
-    app.state.serving_chat = OpenAIServingChat(engine, models, chat_template, args.response_role)
+    log = RequestLogger(args.max_log_len) if args.enable_log_requests else None
+    app.state.serving_completion = OpenAIServingCompletion(engine, models, request_logger=log)
+    app.state.serving_chat = OpenAIServingChat(engine, models, chat_template, args.response_role, request_logger=log)
     return app
 
 
 async def run_server(args: argparse.Namespace) -> None:
     engine_args = engine_args_from(args)
-    api_key = args.api_key or envs.VLLM_API_KEY
+    api_keys = list(args.api_key or ([envs.VLLM_API_KEY] if envs.VLLM_API_KEY else []))
     chat_template = load_chat_template(args.chat_template)  # fail before loading the model
-    served_name = engine_args.served_model_name or engine_args.model
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both to serve HTTPS.")
+    served_names = engine_args.served_model_names()
+    served_name = served_names[0]
     metrics = ServerMetrics(served_name)
     engine = AsyncLLM.from_engine_args(engine_args, observer=metrics)
     try:
         metrics.attach(engine.get_stats)
-        models = OpenAIServingModels(engine, served_name, engine.model_config.model_dir,
+        models = OpenAIServingModels(engine, served_names, engine.model_config.model_dir,
                                      engine.model_config.max_model_len, args.lora_modules)
         await models.init_static_loras()
-        app = build_app(args, engine, models, metrics, api_key, chat_template)
+        app = build_app(args, engine, models, metrics, api_keys, chat_template)
         if chat_template is None and not getattr(engine.tokenizer, "chat_template", None):
             logger.warning("The tokenizer has no chat template: /v1/chat/completions needs --chat-template.")
         host = args.host or "0.0.0.0"
@@ -199,10 +211,27 @@ async def run_server(args: argparse.Namespace) -> None:
                     engine.model_config.max_model_len)
         for line in await models.describe_adapters():
             logger.info("Serving adapter %s", line)
-        logger.info("Listening on http://%s:%d%s", host, args.port,
-                    " (API key required on /v1 routes)" if api_key else "")
+        scheme = "https" if args.ssl_certfile else "http"
+        logger.info("Listening on %s://%s:%d%s", scheme, host, args.port,
+                    " (API key required on /v1 routes)" if api_keys else "")
         config = uvicorn.Config(app, host=host, port=args.port, log_level=args.uvicorn_log_level,
-                                access_log=not args.disable_uvicorn_access_log)
+                                access_log=not args.disable_uvicorn_access_log, ssl_keyfile=args.ssl_keyfile,
+                                ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                                ssl_cert_reqs=args.ssl_cert_reqs)
         await uvicorn.Server(config).serve()
     finally:
         engine.shutdown()
+
+
+def main() -> None:
+    """`python -m vllm.entrypoints.openai.api_server [--model MODEL] [flags]`: the same server as `vllm serve`."""
+    from vllm.entrypoints.cli.main import FlexibleArgumentParser
+    from vllm.entrypoints.cli.serve import DESCRIPTION, run
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="python -m vllm.entrypoints.openai.api_server",
+                                                    description=DESCRIPTION))
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

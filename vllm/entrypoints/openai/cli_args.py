@@ -1,7 +1,8 @@
 """The `vllm serve` flags: the server's own (frontend) flags plus every `EngineArgs` flag.
 
 What it owns: flag names, defaults and parsing of frontend options (`--host`, `--port`,
-`--api-key`, `--lora-modules`, `--chat-template`, CORS, uvicorn), with vLLM's names.
+`--api-key`, TLS, request logging, `--lora-modules`, `--chat-template`, CORS, uvicorn),
+with vLLM's names.
 Engine flags (including `--served-model-name`) come from `EngineArgs.add_cli_args`,
 never duplicated here.
 
@@ -46,12 +47,28 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help=f"The model to serve: a local folder or hub id (default: {EngineArgs.model}).")
     parser.add_argument("--model", default=None, help="The model to serve (the positional MODEL wins).")
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="A YAML file of option names and values (e.g. `max_model_len: 4096`); options given "
+                             "on the command line win.")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    server.add_argument("--api-key", default=None,
-                        help="Require this key (Authorization: Bearer KEY) on every /v1 route. "
+    server.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                        help="Require one of these keys (Authorization: Bearer KEY) on every /v1 route. "
                              "VLLM_API_KEY is used when the flag is not given.")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS with --ssl-certfile).")
+    server.add_argument("--ssl-certfile", default=None, help="TLS certificate file.")
+    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (to verify client certificates).")
+    server.add_argument("--ssl-cert-reqs", type=int, default=0,
+                        help="Whether a client certificate is required (Python ssl module's values: 0, 1, 2).")
+    server.add_argument("--enable-log-requests", action="store_true",
+                        help="Log every request: its id, prompt (up to --max-log-len characters and tokens), "
+                             "sampling parameters and adapter.")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="Accepted for vLLM compatibility (requests are not logged unless "
+                             "--enable-log-requests is given).")
+    server.add_argument("--max-log-len", type=int, default=None,
+                        help="Most prompt characters and token ids a request log line shows (default: all).")
     server.add_argument("--lora-modules", nargs="+", action=_LoRAModulesAction, default=[], metavar="MODULE",
                         help="Adapters to serve from start-up: name=path, or JSON "
                              '\'{"name": ..., "path": ..., "base_model_name": ...}\'. Several allowed.')
@@ -62,7 +79,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
                         help="Log level of uvicorn.")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every request.")
-    server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins (JSON list).")
+    server.add_argument("--allowed-origins", type=_json_list, default=None,
+                        help="CORS origins (JSON list). CORS is off (no CORS headers) unless this is given.")
     server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON list).")
     server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list).")
     server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")

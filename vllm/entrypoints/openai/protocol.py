@@ -25,8 +25,7 @@ from vllm.structured_output import structured_outputs_from_request
 
 logger = init_logger(__name__)
 
-# OpenAI's limit on top_logprobs, and vLLM's default max_logprobs.
-MAX_LOGPROBS = 20
+# The number of logprobs a request may ask for is checked by the engine (--max-logprobs).
 _INT64 = 2**63
 
 
@@ -85,8 +84,8 @@ class _SamplingRequest(OpenAIBaseModel):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available when streaming.")
         for key in self.logit_bias or {}:
@@ -153,8 +152,8 @@ class CompletionRequest(_SamplingRequest):
     def _check_completion(self):
         if self.suffix is not None:
             raise ValueError("suffix is not currently supported.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
         if isinstance(self.prompt, (str, list)) and len(self.prompt) == 0:
             raise ValueError("prompt must not be empty.")
         if isinstance(self.prompt, list) and any(isinstance(p, list) and not p for p in self.prompt):
@@ -202,8 +201,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_chat(self):
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}.")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be non-negative, got {self.top_logprobs}.")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
         if self.add_generation_prompt and self.continue_final_message:

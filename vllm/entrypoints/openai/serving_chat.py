@@ -43,6 +43,7 @@ from vllm.entrypoints.openai.response_models import (
     ranked,
     sse,
 )
+from vllm.entrypoints.openai.request_logger import RequestLogger
 from vllm.entrypoints.openai.serving_engine import OpenAIServing
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.inputs import TokensPrompt
@@ -54,8 +55,8 @@ logger = init_logger(__name__)
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat_template: Optional[str] = None,
-                 response_role: str = "assistant"):
-        super().__init__(engine, models)
+                 response_role: str = "assistant", request_logger: Optional[RequestLogger] = None):
+        super().__init__(engine, models, request_logger)
         self.chat_template = chat_template
         self.response_role = response_role
 

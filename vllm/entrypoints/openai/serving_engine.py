@@ -20,6 +20,7 @@ from typing import AsyncIterator, Optional, Sequence
 
 from vllm.engine.async_llm import AsyncLLM, RequestStream
 from vllm.entrypoints.openai.errors import BadRequestError
+from vllm.entrypoints.openai.request_logger import RequestLogger
 from vllm.entrypoints.openai.response_models import UsageInfo
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.inputs import TokensPrompt
@@ -29,8 +30,9 @@ from vllm.sampling_params import SamplingParams
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels):
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, request_logger: Optional[RequestLogger] = None):
         self.engine = engine
+        self.request_logger = request_logger
         self.models = models
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
@@ -38,7 +40,8 @@ class OpenAIServing:
         self.sampling_defaults = engine.model_config.sampling_defaults
 
     def model_name(self, requested: Optional[str]) -> str:
-        return requested or self.models.base_model_name
+        """The model a response names: the adapter asked for, else the first served name."""
+        return self.models.base_model_name if self.models.is_base_model(requested) else requested
 
     def max_tokens_for(self, num_prompt_tokens: int, requested: Optional[int]) -> int:
         """The request's output budget; raises 400 when prompt and output do not fit."""
@@ -73,6 +76,8 @@ class OpenAIServing:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                if self.request_logger is not None:
+                    self.request_logger.log_inputs(rid, prompt, p, lora_request)
                 streams.append(await self.engine.add_request(rid, prompt, p, lora_request))
         except BaseException:
             for stream in streams:

@@ -26,7 +26,7 @@ import asyncio
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from vllm.engine.async_llm import AsyncLLM
 from vllm.entrypoints.openai.errors import BadRequestError, NotFoundError
@@ -60,10 +60,12 @@ def parse_lora_module(value: str) -> LoRAModulePath:
 
 
 class OpenAIServingModels:
-    def __init__(self, engine: AsyncLLM, base_model_name: str, base_model_path: str, max_model_len: int,
-                 lora_modules: Optional[list[LoRAModulePath]] = None):
+    def __init__(self, engine: AsyncLLM, base_model_names: Union[str, Sequence[str]], base_model_path: str,
+                 max_model_len: int, lora_modules: Optional[list[LoRAModulePath]] = None):
         self.engine = engine
-        self.base_model_name = base_model_name
+        # Every alias (--served-model-name a b) is the base model; the first names it in responses.
+        self.base_model_names = (base_model_names,) if isinstance(base_model_names, str) else tuple(base_model_names)
+        self.base_model_name = self.base_model_names[0]
         self.base_model_path = base_model_path
         self.max_model_len = max_model_len
         self.static_lora_modules = list(lora_modules or [])
@@ -92,10 +94,10 @@ class OpenAIServingModels:
         return lines
 
     def is_base_model(self, name: Optional[str]) -> bool:
-        return name is None or name == self.base_model_name
+        return name is None or name in self.base_model_names
 
     def _taken(self, name: str) -> bool:
-        return name in self.lora_requests or name == self.base_model_name or name in self.embedded_adapters
+        return name in self.lora_requests or name in self.base_model_names or name in self.embedded_adapters
 
     def chat_template_kwargs(self, name: Optional[str], kwargs: Optional[dict]) -> Optional[dict]:
         """The request's template kwargs, with `adapter_name` set when `name` is an embedded adapter."""
@@ -117,7 +119,8 @@ class OpenAIServingModels:
         return request
 
     def show_available_models(self) -> ModelList:
-        cards = [ModelCard(id=self.base_model_name, root=self.base_model_path, max_model_len=self.max_model_len)]
+        cards = [ModelCard(id=name, root=self.base_model_path, max_model_len=self.max_model_len)
+                 for name in self.base_model_names]
         for name in self.embedded_adapters:
             cards.append(ModelCard(id=name, root=self.base_model_path, parent=self.base_model_name,
                                    max_model_len=self.max_model_len))

@@ -215,6 +215,9 @@ class AsyncLLM:
     async def remove_lora(self, lora_int_id: int) -> None:
         await self._call(self.engine.remove_lora, lora_int_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(self.engine.reset_prefix_cache)
+
     async def is_alora(self, lora_request: LoRARequest) -> bool:
         return await self._call(self.engine.is_alora, lora_request)
 

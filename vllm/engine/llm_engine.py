@@ -108,6 +108,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False (nothing done) while requests hold blocks."""
+        return self.engine_core.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()
 

@@ -34,6 +34,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (e.g. between benchmark runs); False while requests run."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the model's generation config (`--generation-config`)."""
         return SamplingParams(**self.llm_engine.model_config.sampling_defaults)

@@ -39,17 +39,20 @@ from vllm import envs
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
-from vllm.entrypoints.openai.errors import error_response, install_error_handlers
+from vllm.entrypoints.openai.errors import BadRequestError, ConflictError, error_response, install_error_handlers
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
+    parse_tokenize_request,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.entrypoints.openai.request_logger import RequestLogger
 from vllm.logger import init_logger
 from vllm.version import __version__
@@ -154,6 +157,32 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     return _respond(await _unless_disconnected(raw_request, serving.create_chat_completion(request)))
 
 
+@router.post("/tokenize")
+async def tokenize(raw_request: Request) -> JSONResponse:
+    request = parse_tokenize_request(await _json_body(raw_request))
+    return JSONResponse(raw_request.app.state.serving_tokenization.tokenize(request))
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONResponse:
+    return JSONResponse(raw_request.app.state.serving_tokenization.detokenize(request))
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(raw_request: Request) -> Response:
+    """Forget every cached KV block (vLLM's route); 409 while requests hold blocks."""
+    if not await raw_request.app.state.engine.reset_prefix_cache():
+        raise ConflictError("The prefix cache can only be reset while no request is running.")
+    return Response(status_code=200)
+
+
+async def _json_body(raw_request: Request) -> Any:
+    try:
+        return await raw_request.json()
+    except ValueError as e:
+        raise BadRequestError(f"The request body is not valid JSON: {e}") from e
+
+
 @lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
     return PlainTextResponse(await raw_request.app.state.models.load_lora_adapter(request))
@@ -185,6 +214,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, models: OpenAIServingM
     log = RequestLogger(args.max_log_len) if args.enable_log_requests else None
     app.state.serving_completion = OpenAIServingCompletion(engine, models, request_logger=log)
     app.state.serving_chat = OpenAIServingChat(engine, models, chat_template, args.response_role, request_logger=log)
+    app.state.serving_tokenization = OpenAIServingTokenization(app.state.serving_chat)
     return app
 
 

@@ -63,6 +63,10 @@ class NotFoundError(OpenAIServingError):
     status = 404
 
 
+class ConflictError(OpenAIServingError):
+    status = 409
+
+
 def error_body(message: str, status: int, param: Optional[str] = None, err_type: Optional[str] = None) -> dict:
     return {
         "error": {

@@ -195,6 +195,7 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: Optional[list[dict[str, Any]]] = None
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -223,6 +224,12 @@ class ChatCompletionRequest(_SamplingRequest):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        """`chat_template_kwargs` plus the fields vLLM hands to the template (`reasoning_effort`)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str
@@ -232,3 +239,40 @@ class LoadLoRAAdapterRequest(OpenAIBaseModel):
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str
     lora_int_id: Optional[int] = None
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: Optional[bool] = False
+    tools: Optional[list[dict[str, Any]]] = None
+    documents: Optional[list[dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return self
+
+
+def parse_tokenize_request(body: Any) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
+    """/tokenize takes either form, told apart by `messages` (as vLLM does)."""
+    if isinstance(body, dict) and "messages" in body:
+        return TokenizeChatRequest.model_validate(body)
+    return TokenizeCompletionRequest.model_validate(body)
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]

@@ -67,13 +67,9 @@ class OpenAIServingChat(OpenAIServing):
         if request.chat_template is not None:
             raise BadRequestError("A chat template in the request is not accepted; start the server with "
                                   "--chat-template instead.", param="chat_template")
-        template_kwargs = self.models.chat_template_kwargs(request.model, request.chat_template_kwargs)
-        check_adapter_name(self.engine.model_config, template_kwargs)
-        text = apply_chat_template(
-            self.tokenizer, request.message_dicts(), self.chat_template, request.add_generation_prompt,
-            request.continue_final_message, request.tools, request.documents, template_kwargs,
-        )
-        ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        text, ids = self.render_chat(request.model, request.message_dicts(), request.add_generation_prompt,
+                                     request.continue_final_message, request.tools, request.documents,
+                                     request.template_kwargs(), request.add_special_tokens)
         params = request.to_sampling_params(self.max_tokens_for(len(ids), request.requested_max_tokens),
                                             self.sampling_defaults)
         request_id = random_id("chatcmpl")
@@ -97,6 +93,17 @@ class OpenAIServingChat(OpenAIServing):
         ]
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage([output]),
                                       prompt_logprobs=prompt_logprobs_json(output.prompt_logprobs))
+
+    def render_chat(self, model: Optional[str], messages: list[dict], add_generation_prompt: bool,
+                    continue_final_message: bool, tools: Optional[list[dict]], documents: Optional[list[dict]],
+                    chat_template_kwargs: Optional[dict], add_special_tokens: bool) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a conversation, as the chat endpoint sends them (an
+        embedded adapter named as `model` becomes the template's `adapter_name`)."""
+        template_kwargs = self.models.chat_template_kwargs(model, chat_template_kwargs)
+        check_adapter_name(self.engine.model_config, template_kwargs)
+        text = apply_chat_template(self.tokenizer, messages, self.chat_template, add_generation_prompt,
+                                   continue_final_message, tools, documents, template_kwargs)
+        return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @staticmethod
     def _logprobs(c: CompletionOutput, top_n: int) -> ChatCompletionLogProbs:

@@ -32,7 +32,8 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | pt | dummy
     served_model_names: tuple[str, ...] = ()  # the first is the name responses report
-    chat_template: Optional[str] = None
+    chat_template: Optional[str] = None  # Jinja text replacing the tokenizer's (LLM(chat_template=...))
+    tokenizer_mode: str = "auto"  # auto: the fast tokenizer; slow: use_fast=False
     trust_remote_code: bool = False
     # SamplingParams field -> default for fields a request leaves unset (vllm/sampling_defaults.py)
     sampling_defaults: dict = field(default_factory=dict)
@@ -93,6 +94,9 @@ class SchedulerConfig:
     # At most this many tokens of one request per step (0: no cap): a long prompt is then
     # chunked even when the budget would take it whole, leaving room for short requests.
     long_prefill_token_threshold: int = 0
+    # fcfs: waiting requests in arrival order, the newest running one is preempted first.
+    # priority: both by (priority, arrival time), lower priority values first.
+    policy: str = "fcfs"
 
 
 @dataclass(frozen=True)

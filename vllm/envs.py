@@ -50,6 +50,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     ),
     # Logging level of the `vllm` logger.
     "VLLM_LOGGING_LEVEL": _str("VLLM_LOGGING_LEVEL", "INFO"),
+    # Folder for torch profiler traces of LLM.start_profile()/stop_profile(); unset, profiling
+    # is refused (vLLM's name).
+    "VLLM_TORCH_PROFILER_DIR": _str("VLLM_TORCH_PROFILER_DIR"),
     # API key for the server when --api-key is not given (vLLM's name).
     "VLLM_API_KEY": _str("VLLM_API_KEY"),
 }

@@ -1,4 +1,5 @@
-"""Sampling parameters of one request, with vLLM's names, defaults and validation.
+"""Sampling parameters of one request, with vLLM's names, defaults and validation, and
+`BeamSearchParams` of `LLM.beam_search`.
 
 Invariants after construction: every numeric field is within its allowed range
 (a ValueError names the field and the range otherwise), `stop` is a list of
@@ -172,3 +173,25 @@ class SamplingParams:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}.")
+
+
+@dataclass
+class BeamSearchParams:
+    """Parameters of `LLM.beam_search` (vLLM's names and defaults): keep the `beam_width`
+    best sequences by cumulative logprob (divided by length ** `length_penalty`) for up to
+    `max_tokens` tokens. `temperature` is that of each one-token step (0: greedy)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width!r}.")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")

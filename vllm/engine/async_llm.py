@@ -175,13 +175,16 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         lora_request: Optional[LoRARequest] = None,
+        *,
+        priority: int = 0,
     ) -> RequestStream:
-        """Validate and enqueue a request; ValueError if the processor rejects it."""
+        """Validate and enqueue a request; ValueError if the processor rejects it (a
+        non-zero `priority` needs the engine's scheduling_policy="priority")."""
         params = params.clone()
         params.output_kind = RequestOutputKind.DELTA
         stream = RequestStream(request_id, self)
         try:
-            await self._call(self._add, request_id, prompt, params, lora_request, stream)
+            await self._call(self._add, request_id, prompt, params, lora_request, stream, priority)
         except asyncio.CancelledError:
             # The add may still run after we stop waiting: make sure it does not linger.
             stream.abort()
@@ -194,8 +197,10 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: Optional[LoRARequest] = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, sampling_params, lora_request)
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request, priority=priority)
         try:
             async for output in stream:
                 yield output
@@ -221,6 +226,13 @@ class AsyncLLM:
     async def is_alora(self, lora_request: LoRARequest) -> bool:
         return await self._call(self.engine.is_alora, lora_request)
 
+    async def start_profile(self) -> None:
+        """Profile the engine thread's steps (needs VLLM_TORCH_PROFILER_DIR)."""
+        await self._call(self.engine.start_profile)
+
+    async def stop_profile(self) -> str:
+        return await self._call(self.engine.stop_profile)
+
     def shutdown(self, timeout: Optional[float] = None) -> None:
         if self._thread.is_alive():
             self._commands.put(_SHUTDOWN)
@@ -237,10 +249,10 @@ class AsyncLLM:
 
     # ------------------------------------------------------------ engine thread
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams,
-             lora_request: Optional[LoRARequest], stream: RequestStream) -> None:
+             lora_request: Optional[LoRARequest], stream: RequestStream, priority: int = 0) -> None:
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
+        self.engine.add_request(request_id, prompt, params, lora_request=lora_request, priority=priority)
         self._streams[request_id] = stream
 
     def _abort(self, request_id: str) -> None:

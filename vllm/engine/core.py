@@ -1,7 +1,7 @@
 """`EngineCore`: the step loop's body: schedule -> execute -> update.
 
-It owns the model runner and the scheduler, sizes the KV cache at start-up, and
-exposes statistics. It never sees text: requests arrive tokenised and validated.
+It owns the model runner, the scheduler and the step profiler, sizes the KV cache at
+start-up, and exposes statistics. It never sees text: requests arrive tokenised and validated.
 Invariant: `max_model_len` tokens of one sequence always fit in the KV cache, so a
 lone request can never be stuck waiting for blocks.
 """
@@ -19,6 +19,7 @@ from vllm.core.kv_cache_utils import cdiv
 from vllm.core.request import Request, RequestStatus
 from vllm.core.sched_output import EngineCoreOutput
 from vllm.core.scheduler import Scheduler
+from vllm.engine.profiler import StepProfiler
 from vllm.logger import init_logger
 from vllm.worker.kv_cache import bytes_per_block, determine_num_blocks
 from vllm.worker.model_runner import ModelRunner
@@ -36,6 +37,8 @@ class EngineStats:
     prefix_cache_hits: int
     alora_reused_tokens: int
     num_preemptions: int
+    prompt_tokens: int = 0  # prompt tokens of requests that produced a first token (each n > 1 child counts)
+    generation_tokens: int = 0  # tokens sampled
 
 
 class EngineCore:
@@ -63,6 +66,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             vllm_config.scheduler_config, cache_config, vllm_config.lora_config, num_blocks, structured_output_manager
         )
+        self.profiler = StepProfiler(vllm_config.device_config.device)
         logger.info(
             "Engine ready in %.1fs: %s on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)",
             time.time() - started, model_config.architecture, vllm_config.device_config.device,
@@ -86,11 +90,18 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        sched = self.scheduler.schedule()
-        result = self.runner.execute_model(sched)
-        if sched.is_empty:
-            return []
-        return self.scheduler.update_from_output(sched, result)
+        with self.profiler.step():
+            sched = self.scheduler.schedule()
+            result = self.runner.execute_model(sched)
+            if sched.is_empty:
+                return []
+            return self.scheduler.update_from_output(sched, result)
+
+    def start_profile(self) -> None:
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        return self.profiler.stop()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
@@ -106,4 +117,6 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits,
             alora_reused_tokens=kv.stats.alora_reused,
             num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.scheduler.num_prompt_tokens,
+            generation_tokens=self.scheduler.num_generation_tokens,
         )

@@ -24,6 +24,7 @@ from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestMetrics, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizer import generation_eos_token_ids, get_tokenizer
+from vllm.v1.metrics.reader import Metric, metrics_from_stats
 
 logger = init_logger(__name__)
 
@@ -31,11 +32,13 @@ logger = init_logger(__name__)
 class LLMEngine:
     def __init__(self, vllm_config: VllmConfig):
         model_config = vllm_config.model_config
-        self.tokenizer = get_tokenizer(model_config.tokenizer_dir, model_config.trust_remote_code)
+        self.tokenizer = get_tokenizer(model_config.tokenizer_dir, model_config.trust_remote_code,
+                                       model_config.tokenizer_mode)
         from vllm.structured_output import StructuredOutputManager
 
         eos_ids = generation_eos_token_ids(model_config.model_dir)
         stop_ids = sorted(eos_ids | {self.tokenizer.eos_token_id} - {None})
+        self.eos_token_ids = frozenset(stop_ids)  # the tokenizer's EOS and the generation config's
         self.structured_output_manager = StructuredOutputManager(self.tokenizer, model_config.vocab_size,
                                                                  stop_token_ids=stop_ids)
         self.engine_core = EngineCore(vllm_config, self.structured_output_manager)
@@ -67,6 +70,7 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: Optional[float] = None,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> ParentState:
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -80,7 +84,8 @@ class LLMEngine:
                 child_params.seed = params.seed + i
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             requests.append(
-                self.processor.make_request(child_id, prompt_ids, child_params, arrival_time, lora_request, salt)
+                self.processor.make_request(child_id, prompt_ids, child_params, arrival_time, lora_request, salt,
+                                            priority)
             )
             children.append(
                 SequenceState(child_id, i, child_params, IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params))
@@ -114,6 +119,18 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metric objects (`vllm.v1.metrics.reader`) from the current stats."""
+        return metrics_from_stats(self.get_stats(), self.model_config.served_model_name)
+
+    def start_profile(self) -> None:
+        """Profile the following steps (needs VLLM_TORCH_PROFILER_DIR)."""
+        self.engine_core.start_profile()
+
+    def stop_profile(self) -> str:
+        """End the profile and write its trace; returns the trace file's path."""
+        return self.engine_core.stop_profile()
 
     # ------------------------------------------------------------ adapters
     def add_lora(self, lora_request: LoRARequest) -> None:

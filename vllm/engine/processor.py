@@ -69,9 +69,11 @@ class Processor:
         arrival_time: Optional[float] = None,
         lora_request: Optional[LoRARequest] = None,
         cache_salt: Optional[str] = None,
+        priority: int = 0,
     ) -> Request:
         """Validate one (child) request and build its engine-side `Request`."""
         self._validate_prompt(prompt_token_ids)
+        self._check_priority(priority)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         params.verify_against_vocab(self.model_config.vocab_size)
@@ -97,7 +99,15 @@ class Processor:
             cache_salt=cache_salt,
             block_hasher=self._block_hasher,
             grammar=grammar,
+            priority=priority,
         )
+
+    def _check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(f"Got priority {priority} but priority scheduling is not enabled: start the engine with "
+                             "scheduling_policy='priority' (--scheduling-policy priority).")
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         limit = self.model_config.max_logprobs

@@ -1,0 +1,1 @@
+"""Metric objects of `LLM.get_metrics()` (see `reader`)."""

@@ -35,7 +35,7 @@ def test_dash_and_underscore_spellings():
     dash = parser.parse_args(["serve", "m", "--max-model-len", "128", "--served-model-name", "x_y"])
     under = parser.parse_args(["serve", "m", "--max_model_len", "128", "--served_model_name=x_y"])
     assert dash.max_model_len == under.max_model_len == 128
-    assert dash.served_model_name == under.served_model_name == "x_y"  # values keep their underscores
+    assert dash.served_model_name == under.served_model_name == ["x_y"]  # values keep their underscores
     assert normalize_flags(["--a_b=c_d", "e_f", "--", "--g_h"]) == ["--a-b=c_d", "e_f", "--", "--g_h"]
 
 

@@ -65,7 +65,11 @@ CASES = [
     ("template-kwargs-clash", CHAT, chat(chat_template_kwargs={"messages": []}), 400, "template"),
     ("request-chat-template", CHAT, chat(chat_template="{{ messages }}"), 400, "chat template"),
     ("suffix", COMPLETIONS, completion(suffix="x"), 400, "suffix"),
-    ("unsupported-tool-choice", CHAT, chat(tool_choice="required", tools=[]), 400, "tool_choice"),
+    ("tool-choice-without-tools", CHAT, chat(tool_choice="required", tools=[]), 400, "tool_choice"),
+    ("auto-tool-choice-without-parser", CHAT, chat(tool_choice="auto", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]), 400, "--enable-auto-tool-choice"),
+    ("unknown-named-tool", CHAT, chat(tool_choice={"type": "function", "function": {"name": "g"}}, tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]), 400, "has not been passed"),
 ]
 
 

@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm import envs
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.entrypoints.chat_utils import load_chat_template
-from vllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
+from vllm.entrypoints.openai.cli_args import check_parser_flags, engine_args_from, make_arg_parser
 from vllm.entrypoints.openai.errors import BadRequestError, ConflictError, error_response, install_error_handlers
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import (
@@ -213,12 +213,16 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, models: OpenAIServingM
     app.state.metrics = metrics
     log = RequestLogger(args.max_log_len) if args.enable_log_requests else None
     app.state.serving_completion = OpenAIServingCompletion(engine, models, request_logger=log)
-    app.state.serving_chat = OpenAIServingChat(engine, models, chat_template, args.response_role, request_logger=log)
+    app.state.serving_chat = OpenAIServingChat(
+        engine, models, chat_template, args.response_role, request_logger=log,
+        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser)
     app.state.serving_tokenization = OpenAIServingTokenization(app.state.serving_chat)
     return app
 
 
 async def run_server(args: argparse.Namespace) -> None:
+    check_parser_flags(args)  # fail before loading the model
     engine_args = engine_args_from(args)
     api_keys = list(args.api_key or ([envs.VLLM_API_KEY] if envs.VLLM_API_KEY else []))
     chat_template = load_chat_template(args.chat_template)  # fail before loading the model

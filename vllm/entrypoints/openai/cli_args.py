@@ -18,6 +18,8 @@ import json
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.openai.serving_models import LoRAModulePath, parse_lora_module
+from vllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from vllm.reasoning import supported_reasoning_parsers
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -85,12 +87,32 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list).")
     server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
     server.add_argument("--root-path", default=None, help="ASGI root_path, when behind a path-based proxy.")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="Parse tool calls out of chat answers (tool_choice 'auto'); needs --tool-call-parser.")
+    server.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="How tool calls are written by the model: " + ", ".join(sorted(TOOL_PARSERS)) + ".")
+    server.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="Split reasoning from the answer (message.reasoning): "
+                             + ", ".join(supported_reasoning_parsers()) + ".")
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="Accepted for vLLM compatibility: usage.prompt_tokens_details (with cached_tokens) "
                              "is always reported.")
     engine = parser.add_argument_group("engine")
     EngineArgs.add_cli_args(engine)
     return parser
+
+
+def check_parser_flags(args: argparse.Namespace) -> None:
+    """Tool and reasoning parser flags must name known parsers and go together as in vLLM."""
+    from vllm.entrypoints.openai.tool_parsers import get_tool_parser
+    from vllm.reasoning import get_reasoning_parser
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser.")
+    if args.tool_call_parser:
+        get_tool_parser(args.tool_call_parser)
+    if args.reasoning_parser:
+        get_reasoning_parser(args.reasoning_parser)
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -192,6 +192,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Optional[int] = 0
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
     documents: Optional[list[dict[str, Any]]] = None
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -208,8 +209,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("Only tool_choice 'none' and 'auto' are supported: this server does not parse tool calls.")
         return self
 
     @property

@@ -143,6 +143,9 @@ class ChatMessage(BaseModel):
     role: str
     content: Optional[str] = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # The thinking text of a reasoning model (--reasoning-parser); `reasoning_content` is its older name.
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -166,6 +169,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     @model_serializer(mode="wrap")
     def _only_set_keys(self, handler):

@@ -19,10 +19,11 @@ Invariants:
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Union
 
 from vllm.engine.async_llm import AsyncLLM, RequestStream
 from vllm.entrypoints.chat_utils import apply_chat_template, check_adapter_name
+from vllm.entrypoints.openai.chat_output import ChoiceParser, ToolPolicy
 from vllm.entrypoints.openai.errors import BadRequestError, classify, error_body
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.response_models import (
@@ -49,16 +50,23 @@ from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.inputs import TokensPrompt
 from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput
+from vllm.reasoning import create_reasoning_parser
+from vllm.sampling_params import StructuredOutputsParams
 
 logger = init_logger(__name__)
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, chat_template: Optional[str] = None,
-                 response_role: str = "assistant", request_logger: Optional[RequestLogger] = None):
+                 response_role: str = "assistant", request_logger: Optional[RequestLogger] = None,
+                 tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None):
+        """`tool_parser`: the --tool-call-parser when --enable-auto-tool-choice is set;
+        `reasoning_parser`: the --reasoning-parser."""
         super().__init__(engine, models, request_logger)
         self.chat_template = chat_template
         self.response_role = response_role
+        self.tool_parser = tool_parser
+        self.reasoning_parser = create_reasoning_parser(reasoning_parser) if reasoning_parser else None
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -70,27 +78,38 @@ class OpenAIServingChat(OpenAIServing):
         text, ids = self.render_chat(request.model, request.message_dicts(), request.add_generation_prompt,
                                      request.continue_final_message, request.tools, request.documents,
                                      request.template_kwargs(), request.add_special_tokens)
+        policy = ToolPolicy.of(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser)
         params = request.to_sampling_params(self.max_tokens_for(len(ids), request.requested_max_tokens),
                                             self.sampling_defaults)
+        if policy.schema is not None:
+            if params.structured_outputs is not None:
+                raise BadRequestError("tool_choice 'required' or a named function cannot be combined with structured "
+                                      "outputs (response_format, structured_outputs).", param="tool_choice")
+            params.structured_outputs = StructuredOutputsParams(json=policy.schema)
         request_id = random_id("chatcmpl")
         streams = await self.submit(request_id, [TokensPrompt(prompt=text, prompt_token_ids=ids)], [params],
                                     lora_request, request.cache_salt)
         model = self.model_name(request.model)
         # Without a generation prompt the model continues the last message's role.
         role = self.response_role if request.add_generation_prompt else request.messages[-1].role
+        new_parser = lambda: ChoiceParser(policy, self.reasoning_parser, text)  # noqa: E731
         if request.stream:
-            return self._stream(request, request_id, model, role, streams[0])
+            return self._stream(request, request_id, model, role, streams[0], new_parser)
         [output] = await self.collect_all(streams)
-        choices = [
-            ChatCompletionResponseChoice(
+        choices = []
+        for c in output.outputs:
+            parser = new_parser()
+            fields = parser.parse(c.text)
+            choices.append(ChatCompletionResponseChoice(
                 index=c.index,
-                message=ChatMessage(role=role, content=c.text),
+                # No tool call and no text: "" as before, so clients reading .content get a string.
+                message=ChatMessage(role=role, content=fields.content if fields.content or fields.tool_calls else "",
+                                    tool_calls=fields.tool_calls,
+                                    reasoning=fields.reasoning, reasoning_content=fields.reasoning),
                 logprobs=self._logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                finish_reason=c.finish_reason,
+                finish_reason=_finish_reason(c.finish_reason, parser),
                 stop_reason=c.stop_reason,
-            )
-            for c in output.outputs
-        ]
+            ))
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage([output]),
                                       prompt_logprobs=prompt_logprobs_json(output.prompt_logprobs))
 
@@ -125,11 +144,12 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str, role: str,
-                      stream: RequestStream) -> AsyncIterator[str]:
+                      stream: RequestStream, new_parser: Callable[[], ChoiceParser]) -> AsyncIterator[str]:
         def chunk(choices, usage: Optional[UsageInfo] = None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=usage))
 
         completion_tokens, last = 0, None
+        parsers = [new_parser() for _ in range(request.n)]
         try:
             for i in range(request.n):
                 yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))])
@@ -139,10 +159,19 @@ class OpenAIServingChat(OpenAIServing):
                     completion_tokens += len(c.token_ids)
                     if not (c.text or c.token_ids or c.finish_reason):
                         continue
+                    parser = parsers[c.index]
+                    fields = parser.feed(c.text)
+                    if c.finish_reason is not None:
+                        fields = fields.then(parser.finish())
                     logprobs = self._logprobs(c, request.top_logprobs or 0) if request.logprobs else None
+                    if fields.is_empty() and c.finish_reason is None and logprobs is None:
+                        continue  # held back by a parser (a possible marker): nothing to send yet
                     yield chunk([ChatCompletionResponseStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        index=c.index, delta=DeltaMessage(content=fields.content, reasoning=fields.reasoning,
+                                                          reasoning_content=fields.reasoning,
+                                                          tool_calls=fields.tool_calls or None),
+                        logprobs=logprobs, finish_reason=_finish_reason(c.finish_reason, parser),
+                        stop_reason=c.stop_reason,
                     )])
             if request.include_usage and last is not None:
                 usage = UsageInfo.of(len(last.prompt_token_ids), completion_tokens, last.num_cached_tokens)
@@ -154,3 +183,8 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.abort()
         yield SSE_DONE
+
+
+def _finish_reason(reason: Optional[str], parser: ChoiceParser) -> Optional[str]:
+    """A choice that made tool calls finishes with "tool_calls" (unless cut by max_tokens), as in vLLM."""
+    return "tool_calls" if reason == "stop" and parser.num_tool_calls else reason

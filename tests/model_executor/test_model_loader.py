@@ -113,11 +113,13 @@ def test_resolve_hub_id(checkpoints, monkeypatch, tmp_path):
     hub errors turned into ValueError."""
     import huggingface_hub
 
-    calls = []
+    calls, hub_options = [], []
     bin_only = config_only_copy(checkpoints["llama"], str(tmp_path / "bin_only"))
 
-    def fake_download(repo_id, revision=None, allow_patterns=(), ignore_patterns=(), local_files_only=False):
+    def fake_download(repo_id, revision=None, cache_dir=None, token=None, allow_patterns=(), ignore_patterns=(),
+                      local_files_only=False):
         calls.append((repo_id, revision, list(allow_patterns), local_files_only))
+        hub_options.append((cache_dir, token))
         if repo_id == "org/broken":
             raise OSError("connection refused")
         return checkpoints["llama"] if repo_id == "org/safetensors" else bin_only
@@ -132,6 +134,9 @@ def test_resolve_hub_id(checkpoints, monkeypatch, tmp_path):
     assert len(calls) == 2 and "pytorch_model*.bin" in calls[1][2] and "*.safetensors" not in calls[1][2]
     with pytest.raises(ValueError, match="'org/broken' is neither a local folder nor reachable.*connection refused"):
         resolve_model_dir("org/broken")
+    hub_options.clear()
+    resolve_model_dir("org/safetensors", cache_dir="/downloads", token="hf_x")  # --download-dir, --hf-token
+    assert hub_options == [("/downloads", "hf_x")]
 
 
 def _weights(path: str):

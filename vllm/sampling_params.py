@@ -83,12 +83,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
+    # Words the output must not contain: each one's last token is banned wherever the output so
+    # far ends with the rest of it (as vLLM's bad_words, with and without a leading space).
+    bad_words: Optional[list[str]] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: Optional[dict[str, Any]] = None
     # Filled in by the processor from the model's generation config / tokenizer.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     eos_token_id: Optional[int] = field(default=None, repr=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -163,6 +167,18 @@ class SamplingParams:
             if eos_token_id is not None:
                 stops.add(eos_token_id)
         self.all_stop_token_ids = stops
+
+    def update_bad_words(self, encode) -> None:
+        """Token sequences of `bad_words`: each word alone and after a space (`encode`: text -> ids)."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words or []:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must be non-empty strings, got {word!r}.")
+            for text in (word, " " + word.lstrip()):
+                ids = encode(text)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self.bad_words_token_ids = sequences
 
     def verify_against_vocab(self, vocab_size: int) -> None:
         for name, ids in (

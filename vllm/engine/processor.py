@@ -86,6 +86,7 @@ class Processor:
             self.structured_output_manager.validate(params.structured_outputs)
             grammar = self.structured_output_manager.grammar_for(params.structured_outputs)
         params.update_from_tokenizer(self.tokenizer.eos_token_id, self.eos_token_ids)
+        params.update_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         max_model_len = self.model_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(prompt_token_ids)
         return Request(

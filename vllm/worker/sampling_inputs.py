@@ -30,8 +30,10 @@ def build_sampling_metadata(rows: list[CachedRequestState], vocab_size: int, dev
     )
     for j, (state, p) in enumerate(zip(rows, params)):
         num_outputs = len(state.token_ids) - state.num_prompt_tokens
-        if num_outputs < p.min_tokens and p.all_stop_token_ids:
-            meta.banned_tokens[j] = sorted(p.all_stop_token_ids)
+        banned = set(p.all_stop_token_ids) if num_outputs < p.min_tokens else set()
+        banned |= _bad_word_endings(p.bad_words_token_ids, state.output_token_ids)
+        if banned:
+            meta.banned_tokens[j] = sorted(banned)
         if p.logit_bias:
             meta.logit_bias[j] = p.logit_bias
         if p.allowed_token_ids:
@@ -39,6 +41,16 @@ def build_sampling_metadata(rows: list[CachedRequestState], vocab_size: int, dev
     if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
         _add_penalties(meta, rows, vocab_size, device)
     return meta
+
+
+def _bad_word_endings(sequences: list[list[int]], outputs: list[int]) -> set[int]:
+    """The last token of every bad-word sequence whose other tokens end the output so far."""
+    endings = set()
+    for seq in sequences:
+        prefix = seq[:-1]
+        if not prefix or (len(outputs) >= len(prefix) and outputs[len(outputs) - len(prefix):] == prefix):
+            endings.add(seq[-1])
+    return endings
 
 
 def _optional(values: list, neutral, dtype: torch.dtype, device: torch.device):

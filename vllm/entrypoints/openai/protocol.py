@@ -79,6 +79,13 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    # Keep only the prompt's last N tokens (-1: the last max_model_len tokens).
+    truncate_prompt_tokens: Optional[int] = None
+    bad_words: Optional[list[str]] = None
+    # The response id is "<prefix>-<request_id>" when the client gives one.
+    request_id: Optional[str] = Field(None, min_length=1)
+    # Logprob tokens as "token_id:<id>" instead of their text.
+    return_tokens_as_token_ids: Optional[bool] = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -88,6 +95,9 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available when streaming.")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}.")
         for key in self.logit_bias or {}:
             if not key.strip().lstrip("-").isdigit():
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}.")
@@ -96,6 +106,11 @@ class _SamplingRequest(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every stream chunk (`stream_options.continuous_usage_stats`)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                          prompt_logprobs: Optional[int], defaults: Optional[dict[str, Any]]) -> SamplingParams:
@@ -134,6 +149,7 @@ class _SamplingRequest(OpenAIBaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self.logit_bias,
                 allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
                 structured_outputs=structured,
             )
         except (TypeError, OverflowError) as e:  # a value of a type SamplingParams cannot compare
@@ -197,6 +213,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     reasoning_effort: Optional[str] = None
+    # Prepend the last message's content to the answer (with continue_final_message).
+    echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

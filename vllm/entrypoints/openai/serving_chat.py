@@ -40,7 +40,6 @@ from vllm.entrypoints.openai.response_models import (
     UsageInfo,
     clamp_logprob,
     prompt_logprobs_json,
-    random_id,
     ranked,
     sse,
 )
@@ -78,6 +77,9 @@ class OpenAIServingChat(OpenAIServing):
         text, ids = self.render_chat(request.model, request.message_dicts(), request.add_generation_prompt,
                                      request.continue_final_message, request.tools, request.documents,
                                      request.template_kwargs(), request.add_special_tokens)
+        kept = self.truncate(ids, request.truncate_prompt_tokens)
+        if len(kept) < len(ids):
+            text, ids = self.tokenizer.decode(kept, skip_special_tokens=False), kept
         policy = ToolPolicy.of(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser)
         params = request.to_sampling_params(self.max_tokens_for(len(ids), request.requested_max_tokens),
                                             self.sampling_defaults)
@@ -86,27 +88,31 @@ class OpenAIServingChat(OpenAIServing):
                 raise BadRequestError("tool_choice 'required' or a named function cannot be combined with structured "
                                       "outputs (response_format, structured_outputs).", param="tool_choice")
             params.structured_outputs = StructuredOutputsParams(json=policy.schema)
-        request_id = random_id("chatcmpl")
+        request_id = self.request_id("chatcmpl", request.request_id)
         streams = await self.submit(request_id, [TokensPrompt(prompt=text, prompt_token_ids=ids)], [params],
                                     lora_request, request.cache_salt)
         model = self.model_name(request.model)
         # Without a generation prompt the model continues the last message's role.
         role = self.response_role if request.add_generation_prompt else request.messages[-1].role
         new_parser = lambda: ChoiceParser(policy, self.reasoning_parser, text)  # noqa: E731
+        echo = _echo_text(request, role)
         if request.stream:
-            return self._stream(request, request_id, model, role, streams[0], new_parser)
+            return self._stream(request, request_id, model, role, streams[0], new_parser, echo, len(ids))
         [output] = await self.collect_all(streams)
         choices = []
         for c in output.outputs:
             parser = new_parser()
             fields = parser.parse(c.text)
+            if echo:
+                fields.content = echo + (fields.content or "")
             choices.append(ChatCompletionResponseChoice(
                 index=c.index,
                 # No tool call and no text: "" as before, so clients reading .content get a string.
                 message=ChatMessage(role=role, content=fields.content if fields.content or fields.tool_calls else "",
                                     tool_calls=fields.tool_calls,
                                     reasoning=fields.reasoning, reasoning_content=fields.reasoning),
-                logprobs=self._logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
+                logprobs=self._logprobs(c, request.top_logprobs or 0, request.return_tokens_as_token_ids)
+                if request.logprobs else None,
                 finish_reason=_finish_reason(c.finish_reason, parser),
                 stop_reason=c.stop_reason,
             ))
@@ -125,13 +131,15 @@ class OpenAIServingChat(OpenAIServing):
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @staticmethod
-    def _logprobs(c: CompletionOutput, top_n: int) -> ChatCompletionLogProbs:
+    def _logprobs(c: CompletionOutput, top_n: int, as_token_ids: Optional[bool] = False) -> ChatCompletionLogProbs:
         content = []
-        for token_id, token_text, entry in zip(c.token_ids, c.token_texts, c.logprobs or []):
+        texts = [f"token_id:{t}" for t in c.token_ids] if as_token_ids else c.token_texts
+        for token_id, token_text, entry in zip(c.token_ids, texts, c.logprobs or []):
             top = []
             for t, lp in ranked(entry, top_n):
                 # The sampled token is named by the text it added, like the entry itself.
-                text = token_text if t == token_id else (lp.decoded_token or "")
+                text = token_text if t == token_id else (
+                    f"token_id:{t}" if as_token_ids else (lp.decoded_token or ""))
                 top.append(ChatCompletionLogProb(token=text, logprob=clamp_logprob(lp.logprob),
                                                  bytes=list(text.encode())))
             own = entry.get(token_id)
@@ -144,15 +152,21 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str, role: str,
-                      stream: RequestStream, new_parser: Callable[[], ChoiceParser]) -> AsyncIterator[str]:
+                      stream: RequestStream, new_parser: Callable[[], ChoiceParser], echo: str,
+                      prompt_tokens: int) -> AsyncIterator[str]:
+        completion_tokens, last = 0, None
+
         def chunk(choices, usage: Optional[UsageInfo] = None) -> str:
+            if usage is None and request.continuous_usage and choices:
+                usage = UsageInfo.of(prompt_tokens, completion_tokens, last.num_cached_tokens if last else 0)
             return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=usage))
 
-        completion_tokens, last = 0, None
         parsers = [new_parser() for _ in range(request.n)]
         try:
             for i in range(request.n):
                 yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))])
+                if echo:
+                    yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo))])
             async for output in stream:
                 last = output
                 for c in output.outputs:
@@ -163,7 +177,8 @@ class OpenAIServingChat(OpenAIServing):
                     fields = parser.feed(c.text)
                     if c.finish_reason is not None:
                         fields = fields.then(parser.finish())
-                    logprobs = self._logprobs(c, request.top_logprobs or 0) if request.logprobs else None
+                    logprobs = self._logprobs(c, request.top_logprobs or 0, request.return_tokens_as_token_ids) \
+                        if request.logprobs else None
                     if fields.is_empty() and c.finish_reason is None and logprobs is None:
                         continue  # held back by a parser (a possible marker): nothing to send yet
                     yield chunk([ChatCompletionResponseStreamChoice(
@@ -174,8 +189,7 @@ class OpenAIServingChat(OpenAIServing):
                         stop_reason=c.stop_reason,
                     )])
             if request.include_usage and last is not None:
-                usage = UsageInfo.of(len(last.prompt_token_ids), completion_tokens, last.num_cached_tokens)
-                yield chunk([], usage)
+                yield chunk([], UsageInfo.of(prompt_tokens, completion_tokens, last.num_cached_tokens))
         except Exception as e:
             status, message, param, err_type = classify(e)
             logger.error("Chat stream %s failed: %s", request_id, message, exc_info=status >= 500)
@@ -188,3 +202,15 @@ class OpenAIServingChat(OpenAIServing):
 def _finish_reason(reason: Optional[str], parser: ChoiceParser) -> Optional[str]:
     """A choice that made tool calls finishes with "tool_calls" (unless cut by max_tokens), as in vLLM."""
     return "tool_calls" if reason == "stop" and parser.num_tool_calls else reason
+
+
+def _echo_text(request: ChatCompletionRequest, role: str) -> str:
+    """`echo`: the last message's text, prepended to the answer when the answer continues that
+    message's role (as with continue_final_message), as vLLM does."""
+    last = request.messages[-1]
+    if not request.echo or last.role != role:
+        return ""
+    content = last.content
+    if isinstance(content, list):
+        return "".join(p if isinstance(p, str) else p.get("text", "") for p in content)
+    return content or ""

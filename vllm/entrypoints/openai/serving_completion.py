@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from contextlib import aclosing
 from typing import AsyncIterator, Optional, Sequence, Union
 
@@ -32,7 +33,6 @@ from vllm.entrypoints.openai.response_models import (
     UsageInfo,
     clamp_logprob,
     prompt_logprobs_json,
-    random_id,
     sse,
 )
 from vllm.entrypoints.openai.serving_engine import OpenAIServing
@@ -51,15 +51,17 @@ class OpenAIServingCompletion(OpenAIServing):
         lora_request = self.models.resolve(request.model)
         prompts: list[TokensPrompt] = []
         for prompt in request.prompts():
-            if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
-                prompts.append(TokensPrompt(prompt=prompt, prompt_token_ids=ids))
-            else:
-                prompts.append(TokensPrompt(prompt_token_ids=list(prompt)))
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens) if text else list(prompt)
+            kept = self.truncate(ids, request.truncate_prompt_tokens)
+            if len(kept) < len(ids):
+                text = None  # the text no longer matches the ids: echo decodes what was kept
+            prompts.append(TokensPrompt(prompt=text, prompt_token_ids=kept) if text else TokensPrompt(
+                prompt_token_ids=kept))
         params = [request.to_sampling_params(self.max_tokens_for(len(p["prompt_token_ids"]), request.max_tokens),
                                              self.sampling_defaults)
                   for p in prompts]
-        request_id = random_id("cmpl")
+        request_id = self.request_id("cmpl", request.request_id)
         streams = await self.submit(request_id, prompts, params, lora_request, request.cache_salt)
         model = self.model_name(request.model)
         if request.stream:
@@ -76,8 +78,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 text, logprobs = self._echo_prefix(request, prompts[i], output)
                 text += c.text
                 if request.logprobs is not None:  # generated tokens follow any echoed prompt's
-                    logprobs = self._logprobs(request.logprobs, self._positions(c), len(text) - len(c.text),
-                                              logprobs)
+                    logprobs = self._logprobs(request.logprobs, self._positions(c, request.return_tokens_as_token_ids),
+                                              len(text) - len(c.text), logprobs)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs_json(output.prompt_logprobs),
@@ -108,8 +110,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return text, self._logprobs(request.logprobs, positions, 0, None)
 
     @staticmethod
-    def _positions(c: CompletionOutput) -> list[_Position]:
+    def _positions(c: CompletionOutput, as_token_ids: Optional[bool] = False) -> list[_Position]:
         logprobs = c.logprobs or [None] * len(c.token_ids)
+        if as_token_ids:
+            logprobs = [_ids_as_text(entry) for entry in logprobs]
+            return list(zip([f"token_id:{t}" for t in c.token_ids], logprobs, c.token_ids))
         return list(zip(c.token_texts, logprobs, c.token_ids))
 
     @staticmethod
@@ -148,7 +153,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     cached[i] = output.num_cached_tokens
                     completion_tokens += sum(len(c.token_ids) for c in output.outputs)
                     for choice in self._stream_choices(request, i, prompts[i], output, sent_chars):
-                        yield sse(CompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+                        usage = None
+                        if request.continuous_usage:
+                            usage = UsageInfo.of(sum(len(p["prompt_token_ids"]) for p in prompts), completion_tokens,
+                                                 sum(cached))
+                        yield sse(CompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage))
             if request.include_usage:
                 prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
                 usage = UsageInfo.of(prompt_tokens, completion_tokens, sum(cached))
@@ -174,10 +183,17 @@ class OpenAIServingCompletion(OpenAIServing):
             if not (text or c.text or c.token_ids or c.finish_reason):
                 continue
             if request.logprobs is not None:
-                logprobs = self._logprobs(request.logprobs, self._positions(c), sent_chars[index] + len(text),
-                                          logprobs)
+                logprobs = self._logprobs(request.logprobs, self._positions(c, request.return_tokens_as_token_ids),
+                                          sent_chars[index] + len(text), logprobs)
             text += c.text
             sent_chars[index] += len(text)
             choices.append(CompletionResponseStreamChoice(index=index, text=text, logprobs=logprobs,
                                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return choices
+
+
+def _ids_as_text(entry: Optional[dict[int, Logprob]]) -> Optional[dict[int, Logprob]]:
+    """A logprob entry whose decoded tokens read "token_id:<id>" (return_tokens_as_token_ids)."""
+    if entry is None:
+        return None
+    return {t: replace(lp, decoded_token=f"token_id:{t}") for t, lp in entry.items()}

@@ -21,7 +21,7 @@ from typing import AsyncIterator, Optional, Sequence
 from vllm.engine.async_llm import AsyncLLM, RequestStream
 from vllm.entrypoints.openai.errors import BadRequestError
 from vllm.entrypoints.openai.request_logger import RequestLogger
-from vllm.entrypoints.openai.response_models import UsageInfo
+from vllm.entrypoints.openai.response_models import UsageInfo, random_id
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
@@ -42,6 +42,18 @@ class OpenAIServing:
     def model_name(self, requested: Optional[str]) -> str:
         """The model a response names: the adapter asked for, else the first served name."""
         return self.models.base_model_name if self.models.is_base_model(requested) else requested
+
+    def truncate(self, ids: list[int], keep: Optional[int]) -> list[int]:
+        """`truncate_prompt_tokens`: the last `keep` ids (-1: the last max_model_len)."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:]
+
+    @staticmethod
+    def request_id(prefix: str, given: Optional[str]) -> str:
+        """vLLM's response ids: "<prefix>-<client request_id>", else a random one."""
+        return f"{prefix}-{given}" if given else random_id(prefix)
 
     def max_tokens_for(self, num_prompt_tokens: int, requested: Optional[int]) -> int:
         """The request's output budget; raises 400 when prompt and output do not fit."""

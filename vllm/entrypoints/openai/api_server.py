@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over `AsyncLLM`, run by uvicorn.
 
 What it owns: the routes (GET /health /ping /version /v1/models /metrics, POST
-/v1/completions /v1/chat/completions, and /v1/load_lora_adapter /v1/unload_lora_adapter
+/v1/completions /v1/chat/completions /v1/responses, and /v1/load_lora_adapter /v1/unload_lora_adapter
 when VLLM_ALLOW_RUNTIME_LORA_UPDATING is set, as in vLLM), API-key enforcement on /v1
 routes, CORS, and the server's start-up and shutdown.
 
@@ -51,7 +51,9 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.entrypoints.openai.request_logger import RequestLogger
 from vllm.logger import init_logger
@@ -95,7 +97,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
+    if not task.done() or task.cancelled():  # cancel() takes effect at the task's next step
         return Response(status_code=499)  # nobody is listening any more
     return task.result()
 
@@ -155,6 +157,14 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     if request.stream:
         return _respond(await serving.create_chat_completion(request))
     return _respond(await _unless_disconnected(raw_request, serving.create_chat_completion(request)))
+
+
+@router.post("/v1/responses")
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingResponses = raw_request.app.state.serving_responses
+    if request.stream:
+        return _respond(await serving.create_response(request))
+    return _respond(await _unless_disconnected(raw_request, serving.create_response(request)))
 
 
 @router.post("/tokenize")
@@ -218,6 +228,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, models: OpenAIServingM
         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser)
     app.state.serving_tokenization = OpenAIServingTokenization(app.state.serving_chat)
+    app.state.serving_responses = OpenAIServingResponses(app.state.serving_chat)
     return app
 
 

@@ -1,17 +1,24 @@
-"""The `vllm` command: `vllm --version`, `vllm serve [MODEL] [flags]`.
+"""The `vllm` command: `vllm --version`, `vllm serve [MODEL] [flags]`, `vllm chat`,
+`vllm complete` and `vllm run-batch -i IN.jsonl -o OUT.jsonl [flags]`.
 
 What it owns: the top-level parser, subcommand dispatch, and `FlexibleArgumentParser`,
 which accepts every `--foo-bar` flag also as `--foo_bar` (as vLLM's parser does) by
 normalising option names, never option values, before argparse sees them, and reads
 `--config FILE.yaml` (a mapping of flag names to values) as if its flags were given,
 flags on the command line winning over the file's.
+
+Invariant: only the subcommand being run gets its flags built (`make_parser(populate=...)`):
+the engine flags import torch, which the client commands (`chat`, `complete`) and
+`vllm --help` do not need. Every subcommand module has `register(subparsers, parser_class,
+populate)` and imports nothing heavy at module level.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import Optional, Sequence
+from typing import Container, Optional, Sequence
 
 from vllm.version import __version__
 
@@ -83,14 +90,24 @@ def _config_flag(parser: argparse.ArgumentParser, flag: str, value: object) -> l
     return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
-def make_parser() -> FlexibleArgumentParser:
-    from vllm.entrypoints.cli import serve
+# subcommand -> module with `register(subparsers, parser_class, populate)`, in `vllm --help` order
+SUBCOMMANDS = {
+    "serve": "vllm.entrypoints.cli.serve",
+    "chat": "vllm.entrypoints.cli.chat",
+    "complete": "vllm.entrypoints.cli.complete",
+    "run-batch": "vllm.entrypoints.cli.run_batch",
+}
 
+
+def make_parser(populate: Optional[Container[str]] = None) -> FlexibleArgumentParser:
+    """The `vllm` parser; only the subcommands in `populate` (default: all) get their flags."""
     parser = FlexibleArgumentParser(prog="vllm", description="A compact LLM inference engine with vLLM's "
                                     "interface and first-class Activated LoRA (aLoRA).")
     parser.add_argument("-v", "--version", action="version", version=__version__)
     subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
-    serve.register(subparsers, FlexibleArgumentParser)
+    for name, module in SUBCOMMANDS.items():
+        importlib.import_module(module).register(subparsers, FlexibleArgumentParser,
+                                                 populate is None or name in populate)
     return parser
 
 
@@ -99,7 +116,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if argv and argv[0] in ("-v", "--version"):  # answer without importing the engine
         print(__version__)
         return
-    parser = make_parser()
+    # `vllm chat ...` needs only chat's flags; `vllm --help` needs none.
+    parser = make_parser(populate={argv[0]} if argv and not argv[0].startswith("-") else set())
     args = parser.parse_args(argv)
     if not hasattr(args, "dispatch"):
         parser.print_help()

@@ -12,17 +12,19 @@ import argparse
 import asyncio
 import sys
 
-from vllm.entrypoints.openai.cli_args import make_arg_parser
-
 DESCRIPTION = "Start the OpenAI-compatible server for MODEL (and its LoRA / aLoRA adapters)."
 
 
-def register(subparsers, parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+def register(subparsers, parser_class: type[argparse.ArgumentParser], populate: bool = True) -> argparse.ArgumentParser:
+    """Add `serve`; its flags (which import the engine, hence torch) only when `populate`."""
     parser = subparsers.add_parser("serve", help=DESCRIPTION, description=DESCRIPTION,
                                    usage="vllm serve [MODEL] [options]")
     # argparse builds subparsers with the parent's class, which already normalises flags.
     assert isinstance(parser, parser_class)
-    make_arg_parser(parser)
+    if populate:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+
+        make_arg_parser(parser)
     parser.set_defaults(dispatch=run)
     return parser
 

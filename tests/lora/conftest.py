@@ -49,3 +49,12 @@ def peft_reference(llama_dir, adapters):
 
 def generate_one(llm, prompt_ids, lora_request=None, params=GREEDY):
     return llm.generate([{"prompt_token_ids": prompt_ids}], params, lora_request=lora_request, use_tqdm=False)[0]
+
+
+def check_against_reference(out, ref) -> None:
+    """Greedy tokens identical and logprobs within 1e-4 of a (tokens, logprobs) reference."""
+    tokens, logprobs = ref
+    completion = out.outputs[0]
+    assert completion.token_ids == tokens
+    ours = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-4

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from tests.conftest import INVOCATION
-from tests.lora.conftest import MAX_NEW, generate_one
+from tests.lora.conftest import MAX_NEW, check_against_reference, generate_one
 from tests.utils.adapters import load_peft_model, make_adapter
 from tests.utils.reference import hf_greedy
 from vllm import LLM
@@ -32,14 +32,6 @@ def granite4(checkpoints, tmp_path_factory, tokenizer):
     return base, adapters, llm
 
 
-def _check(out, ref):
-    tokens, logprobs = ref
-    completion = out.outputs[0]
-    assert completion.token_ids == tokens
-    ours = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
-    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-4
-
-
 def test_peft_lora_and_alora_match_on_granite4(granite4, tokenizer):
     base, adapters, llm = granite4
     conv = tokenizer.encode("The quick brown fox jumps over the lazy dog. What is the capital of France? " * 3)
@@ -51,7 +43,7 @@ def test_peft_lora_and_alora_match_on_granite4(granite4, tokenizer):
         peft = load_peft_model(base, adapters[name])
         request = LoRARequest(name, i + 1, adapters[name])
         for ids in prompts:
-            _check(generate_one(llm, ids, request), hf_greedy(peft, ids, MAX_NEW))
+            check_against_reference(generate_one(llm, ids, request), hf_greedy(peft, ids, MAX_NEW))
 
 
 def test_granite4_fused_mlp_adapter_fills_both_slices(granite4):

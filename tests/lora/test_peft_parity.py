@@ -2,24 +2,15 @@
 
 import pytest
 
-from tests.lora.conftest import generate_one
+from tests.lora.conftest import check_against_reference, generate_one
 from vllm import LLM, SamplingParams
-
-
-def _check(out, ref):
-    """Greedy tokens identical and logprobs within 1e-4 of the PEFT reference."""
-    tokens, logprobs = ref
-    completion = out.outputs[0]
-    assert completion.token_ids == tokens
-    ours = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
-    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["lora_qkv", "lora_all"])
 def test_plain_lora_matches_peft(name, lora_llm, lora_requests, peft_reference, tokenizer):
     for text in ["What is the capital of France?", "one two three four five six seven eight " * 4]:
         ids = tokenizer.encode(text)
-        _check(generate_one(lora_llm, ids, lora_requests[name]), peft_reference(name, ids))
+        check_against_reference(generate_one(lora_llm, ids, lora_requests[name]), peft_reference(name, ids))
 
 
 def _conversation(tokenizer, n_tokens):
@@ -39,7 +30,7 @@ def test_alora_matches_peft(name, lora_llm, lora_requests, invocations, peft_ref
     }
     for case, ids in cases.items():
         out = generate_one(lora_llm, ids, lora_requests[name])
-        _check(out, peft_reference(name, ids))
+        check_against_reference(out, peft_reference(name, ids))
 
 
 def test_alora_chunk_boundary_inside_invocation(llama_dir, lora_requests, invocations, peft_reference, tokenizer):
@@ -49,7 +40,7 @@ def test_alora_chunk_boundary_inside_invocation(llama_dir, lora_requests, invoca
     # A 24-token step budget ends the first chunk 3 tokens into the invocation.
     llm = LLM(llama_dir, max_model_len=256, enable_lora=True, max_loras=1, max_lora_rank=8, max_num_batched_tokens=24)
     assert len(conv) < 24 < len(conv) + len(inv)
-    _check(generate_one(llm, ids, lora_requests["alora_certainty"]), peft_reference("alora_certainty", ids))
+    check_against_reference(generate_one(llm, ids, lora_requests["alora_certainty"]), peft_reference("alora_certainty", ids))
 
 
 def test_alora_without_adapter_tokens_before_invocation_is_base(lora_llm, lora_requests, invocations, tokenizer):
@@ -84,4 +75,4 @@ def test_rslora_regex_targets_and_bin_weights_match_peft(llama_dir, tmp_path, pe
     ids = tokenizer.encode("What is the capital of France? The capital")
     reference = hf_greedy(load_peft_model(llama_dir, path), ids, 10)
     for i, adapter in enumerate((path, str(bin_path))):
-        _check(generate_one(llm, ids, LoRARequest(f"rs{i}", i + 1, adapter)), reference)
+        check_against_reference(generate_one(llm, ids, LoRARequest(f"rs{i}", i + 1, adapter)), reference)

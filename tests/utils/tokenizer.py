@@ -47,25 +47,27 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 1024, corpus: list[str] = _CORPUS, special_tokens: list[str] = SPECIAL_TOKENS,
+                    chat_template: str = GRANITE_CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """`special_tokens[0]` is EOS (also BOS and pad); the rest are additional special tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.train_from_iterator(corpus * 4, trainer)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|end_of_text|>",
-        bos_token="<|end_of_text|>",
-        pad_token="<|end_of_text|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        eos_token=special_tokens[0],
+        bos_token=special_tokens[0],
+        pad_token=special_tokens[0],
+        additional_special_tokens=special_tokens[1:],
     )
-    hf_tok.chat_template = GRANITE_CHAT_TEMPLATE
+    hf_tok.chat_template = chat_template
     return hf_tok
 
 

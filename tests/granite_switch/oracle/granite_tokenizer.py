@@ -1,6 +1,6 @@
 """A tiny Granite-4-style tokenizer and chat template, built in code (oracle venv side).
 
-Owns the byte-level BPE vocabulary (same approach as tests/utils/tokenizer.py, with
+Owns the byte-level BPE vocabulary (built by tests/utils/tokenizer.py, with
 Granite's special tokens plus a few `<|unused_N|>` reserved slots) and a chat
 template shaped like Granite 4.1's: one `ns = namespace(...)`, a `messages[0]`
 system check, a main `for message in messages` loop whose body assembles
@@ -12,8 +12,14 @@ tokens, so composition succeeds on this tiny tokenizer.
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+import os
+import sys
+
 from transformers import PreTrainedTokenizerFast
+
+# The repository root, so the shared tokenizer builder imports in the oracle venv too.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+from tests.utils.tokenizer import build_tokenizer as build_test_tokenizer  # noqa: E402
 
 START, END, EOT = "<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"
 UNUSED = [f"<|unused_{i}|>" for i in range(4)]
@@ -69,23 +75,6 @@ _CORPUS = [
 
 
 def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Train the BPE deterministically and wrap it; `len(tok)` is the full vocab."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOT,
-        bos_token=EOT,
-        pad_token=EOT,
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
-    hf_tok.chat_template = GRANITE_CHAT_TEMPLATE
-    return hf_tok
+    """The shared test BPE (tests/utils/tokenizer.py) on this corpus, tokens and template;
+    `len(tok)` is the full vocab."""
+    return build_test_tokenizer(vocab_size, _CORPUS, SPECIAL_TOKENS, GRANITE_CHAT_TEMPLATE)

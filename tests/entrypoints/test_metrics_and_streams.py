@@ -47,6 +47,22 @@ def test_metrics_scrape(server, client):
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
 
 
+def test_lora_requests_info_names_running_adapters(server, client):
+    def info_lines() -> list[str]:
+        return [line for line in httpx.get(server.url + "/metrics").text.splitlines()
+                if line.startswith("vllm:lora_requests_info{")]
+
+    [idle] = info_lines()
+    assert 'max_lora="2"' in idle and 'running_lora_adapters=""' in idle
+    stream = client.completions.create(model="lora_all", prompt="one two three", max_tokens=400, stream=True,
+                                       temperature=0.0, extra_body={"ignore_eos": True})
+    next(iter(stream))  # the request is running now
+    try:
+        assert _wait_for(lambda: any('running_lora_adapters="lora_all"' in line for line in info_lines()))
+    finally:
+        stream.close()
+
+
 def test_32_concurrent_streams_match_sequential(server, client):
     prompts = [f"Request {i}: the quick brown fox number {i * 7} jumps" for i in range(32)]
     params = dict(model=MODEL, temperature=0.0, max_tokens=16, extra_body={"ignore_eos": True})

@@ -39,6 +39,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int = 0  # prompt tokens of requests that produced a first token (each n > 1 child counts)
     generation_tokens: int = 0  # tokens sampled
+    # Adapter names of running / waiting requests, and max_loras (0: LoRA off): vllm:lora_requests_info.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 class EngineCore:
@@ -119,4 +123,12 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.scheduler.num_prompt_tokens,
             generation_tokens=self.scheduler.num_generation_tokens,
+            running_lora_adapters=_adapter_names(self.scheduler.running),
+            waiting_lora_adapters=_adapter_names(self.scheduler.waiting),
+            max_lora=self.config.lora_config.max_loras if self.config.lora_config else 0,
         )
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    """Sorted adapter names of `requests` (a snapshot: the server's scrape runs on another thread)."""
+    return tuple(sorted({r.lora_request.lora_name for r in tuple(requests) if r.lora_request is not None}))

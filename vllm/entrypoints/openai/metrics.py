@@ -21,6 +21,7 @@ Every series carries the `model_name` label.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -66,6 +67,13 @@ class _EngineStatsCollector:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)
             yield counter
+        if s.max_lora:
+            # vLLM's shape: the labels carry the adapters; the value is when they were read.
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(s.max_lora), ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)],
+                            time.time())
+            yield info
 
 
 class ServerMetrics:

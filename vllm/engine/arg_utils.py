@@ -92,6 +92,9 @@ class EngineArgs:
         "config (alora_invocation_tokens) whether or not it is set."))
     max_loras: int = field(default=1, metadata=_help("Adapters resident in one batch."))
     max_lora_rank: int = field(default=16, metadata=_help("Largest adapter rank accepted."))
+    lora_dtype: str = field(default="auto", metadata=_help(
+        "Dtype of adapter weights: auto (the model's) or the model's own dtype; adapters always run in the "
+        "model's dtype here."))
     max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Adapters cached in host memory (>= max_loras)."))
     enforce_eager: bool = field(default=False, metadata=_help(
         "Accepted for vLLM compatibility; every step runs eagerly (CUDA graphs are not implemented yet)."))
@@ -160,7 +163,7 @@ class EngineArgs:
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(platform.device()),
-            lora_config=self._lora_config(),
+            lora_config=self._lora_config(model_config.dtype),
         )
 
     def _resolve_model_dir(self, resolve_model_dir, hub: dict) -> str:
@@ -220,7 +223,17 @@ class EngineArgs:
             )
         return self.max_model_len
 
-    def _lora_config(self) -> Optional[LoRAConfig]:
+    def _check_lora_dtype(self, model_dtype) -> None:
+        if self.lora_dtype in (None, "auto"):
+            return
+        if resolve_dtype(self.lora_dtype, current_platform(self.device)) != model_dtype:
+            raise ValueError(
+                f"--lora-dtype {self.lora_dtype} is not supported: adapters run in the model's dtype "
+                f"({str(model_dtype).removeprefix('torch.')}). Use auto or the model's dtype."
+            )
+
+    def _lora_config(self, model_dtype) -> Optional[LoRAConfig]:
+        self._check_lora_dtype(model_dtype)
         if not self.enable_lora:
             if self.enable_activated_lora:
                 raise ValueError("--enable-activated-lora requires --enable-lora.")

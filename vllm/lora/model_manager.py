@@ -30,6 +30,7 @@ from vllm.config import LoRAConfig
 from vllm.logger import init_logger
 from vllm.lora.layers import LinearWithLoRA
 from vllm.lora.lora_model import LoRAModel, ModuleSpec, load_lora_model
+from vllm.model_executor.hf_files import resolve_adapter_dir
 from vllm.lora.peft_helper import PEFTHelper
 from vllm.lora.punica import PunicaWrapper
 from vllm.lora.request import LoRARequest
@@ -70,13 +71,14 @@ class AdapterCache:
             if model is not None:
                 self._cache.move_to_end(request.lora_int_id)
                 return model
-            peft = PEFTHelper.from_dir(request.lora_name, request.lora_path, self._tokenize)
+            path = resolve_adapter_dir(request.lora_name, request.lora_path)
+            peft = PEFTHelper.from_dir(request.lora_name, path, self._tokenize)
             if peft.r > self.config.max_lora_rank:
                 raise ValueError(
                     f"LoRA adapter {request.lora_name!r} has rank {peft.r}, greater than "
                     f"max_lora_rank={self.config.max_lora_rank}; raise --max-lora-rank."
                 )
-            model = load_lora_model(request.lora_int_id, request.lora_name, request.lora_path, peft, self.specs,
+            model = load_lora_model(request.lora_int_id, request.lora_name, path, peft, self.specs,
                                     self.config.max_lora_rank, self.dtype)
             while len(self._cache) >= self.config.max_cpu_loras:
                 self._cache.popitem(last=False)

@@ -3,6 +3,7 @@
 - `resolve_model_dir`: a local folder is used as is; anything else is a hub id,
   fetched (config, tokenizer, weights) with huggingface_hub, or found in the hub cache
   when offline.
+- `resolve_adapter_dir`: the same for a LoRA adapter's `lora_path` (a folder or a hub id).
 - `find_weight_files`: which files of a folder hold the weights, in order of
   preference: sharded safetensors (via `model.safetensors.index.json`), any
   `*.safetensors`, then PyTorch `pytorch_model*.bin`.
@@ -76,6 +77,27 @@ def resolve_model_dir(model: str, revision: Optional[str] = None, cache_dir: Opt
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise _unreachable(model, "the repository has no config.json")
     return folder
+
+
+ADAPTER_PATTERNS = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "*.json"]
+
+
+def resolve_adapter_dir(name: str, path: str) -> str:
+    """A local folder holding the adapter at `path`: the folder itself, or a hub id
+    (`org/adapter`) downloaded with huggingface_hub (the hub cache only when offline)."""
+    if os.path.isdir(path):
+        return path
+    if path.startswith((os.sep, ".", "~")) or os.path.exists(path) or path.count("/") != 1:
+        raise ValueError(f"LoRA adapter {name!r}: path {path!r} does not exist or is not a folder.")
+    from huggingface_hub import snapshot_download
+
+    offline = envs.HF_HUB_OFFLINE
+    try:
+        return snapshot_download(path, allow_patterns=ADAPTER_PATTERNS, local_files_only=offline)
+    except Exception as e:  # huggingface_hub raises many types: offline, not found, HTTP, validation
+        reason = "HF_HUB_OFFLINE is set and it is not in the hub cache" if offline else f"{type(e).__name__}: {e}"
+        raise ValueError(f"LoRA adapter {name!r}: {path!r} is neither a local folder nor reachable on the Hugging "
+                         f"Face hub ({reason}).") from e
 
 
 def _indexed_files(folder: str, index_name: str) -> Optional[list[str]]:

@@ -1,0 +1,46 @@
+"""Where adapters come from: a local folder, or a hub id (`org/adapter`) fetched with
+huggingface_hub (stubbed here: no network in tests), with a clear error naming the id when
+it cannot be had; and `--lora-dtype`, which must be the model's dtype."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.lora.conftest import GREEDY, generate_one
+from vllm import LLM
+from vllm.lora.request import LoRARequest
+
+
+def test_hub_id_adapter_is_downloaded_and_served(llama_dir, adapters, tokenizer, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id, allow_patterns=(), local_files_only=False, **kwargs):
+        calls.append((repo_id, local_files_only, list(allow_patterns)))
+        if repo_id != "ibm/certainty-alora":
+            raise OSError("404 Repository Not Found")
+        return adapters["alora_certainty"]
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    llm = LLM(llama_dir, max_model_len=256, enable_lora=True, max_lora_rank=8)
+    ids = tokenizer.encode("Is Paris in France?<|start_of_role|>certainty<|end_of_role|>")
+    from_hub = generate_one(llm, ids, LoRARequest("certainty", 1, "ibm/certainty-alora"))
+    local = generate_one(llm, ids, LoRARequest("certainty_local", 2, adapters["alora_certainty"]))
+    assert from_hub.outputs[0].token_ids == local.outputs[0].token_ids
+    assert calls[0][:2] == ("ibm/certainty-alora", False) and "adapter_config.json" in calls[0][2]
+    with pytest.raises(ValueError, match="'ibm/missing' is neither a local folder nor reachable.*404"):
+        llm.llm_engine.add_lora(LoRARequest("missing", 3, "ibm/missing"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set"):
+        llm.llm_engine.add_lora(LoRARequest("offline", 4, "ibm/other"))
+    with pytest.raises(ValueError, match="does not exist or is not a folder"):
+        llm.llm_engine.add_lora(LoRARequest("local", 5, "/no/such/adapter"))
+    assert generate_one(llm, ids, None, GREEDY).outputs[0].token_ids  # still serving
+
+
+def test_lora_dtype_must_be_the_models(llama_dir):
+    LLM(llama_dir, max_model_len=64, enable_lora=True, dtype="float32", lora_dtype="float32")
+    with pytest.raises(ValueError, match="--lora-dtype bfloat16 is not supported.*float32"):
+        LLM(llama_dir, max_model_len=64, enable_lora=True, dtype="float32", lora_dtype="bfloat16")

@@ -113,8 +113,9 @@ def _comparable(body: dict) -> dict:
     body = {k: v for k, v in body.items() if k not in ("id", "created", "created_at")}
     if body.get("output"):  # /v1/responses: output items have ids too
         body["output"] = [{k: v for k, v in item.items() if k != "id"} for item in body["output"]]
-    if body.get("usage"):
-        body["usage"] = {k: v for k, v in body["usage"].items() if k != "prompt_tokens_details"}
+    if body.get("usage"):  # chat/completions and /v1/responses name the cache hits differently
+        body["usage"] = {k: v for k, v in body["usage"].items()
+                         if k not in ("prompt_tokens_details", "input_tokens_details")}
     return body
 
 

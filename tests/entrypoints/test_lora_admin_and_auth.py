@@ -91,3 +91,20 @@ def test_runtime_lora_routes_absent_without_env(keyed_server, adapters):
     response = httpx.post(keyed_server.url + "/v1/load_lora_adapter", headers={"Authorization": f"Bearer {KEY}"},
                           json={"lora_name": "a", "lora_path": adapters["lora_qkv"]})
     assert response.status_code == 404
+
+
+def test_load_inplace_replaces_weights_under_the_same_name(server, client, adapters):
+    url, prompt = server.url, "one two three four five"
+    greedy = dict(prompt=prompt, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    as_qkv = client.completions.create(model="lora_qkv", **greedy).choices[0].text
+    as_all = client.completions.create(model="lora_all", **greedy).choices[0].text
+    assert as_qkv != as_all
+    assert httpx.post(url + "/v1/load_lora_adapter",
+                      json={"lora_name": "swappable", "lora_path": adapters["lora_qkv"]}).status_code == 200
+    assert client.completions.create(model="swappable", **greedy).choices[0].text == as_qkv
+    swap = httpx.post(url + "/v1/load_lora_adapter",
+                      json={"lora_name": "swappable", "lora_path": adapters["lora_all"], "load_inplace": True})
+    assert swap.status_code == 200
+    assert client.completions.create(model="swappable", **greedy).choices[0].text == as_all
+    assert [m.id for m in client.models.list().data].count("swappable") == 1
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "swappable"}).status_code == 200

@@ -44,3 +44,35 @@ def test_lora_dtype_must_be_the_models(llama_dir):
     LLM(llama_dir, max_model_len=64, enable_lora=True, dtype="float32", lora_dtype="float32")
     with pytest.raises(ValueError, match="--lora-dtype bfloat16 is not supported.*float32"):
         LLM(llama_dir, max_model_len=64, enable_lora=True, dtype="float32", lora_dtype="bfloat16")
+
+
+def test_running_request_keeps_its_admitted_weights(llama_dir, adapters, tokenizer, tmp_path):
+    """The adapter's files change and its host copy is dropped mid-request (what an in-place
+    reload does): the running request finishes with the weights it was admitted with."""
+    import shutil
+
+    from vllm import SamplingParams
+
+    path = tmp_path / "swappable"
+    shutil.copytree(adapters["lora_all"], path)
+    ids = tokenizer.encode("one two three four five")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reference = LLM(llama_dir, max_model_len=128, enable_lora=True, max_lora_rank=8)
+    expected = generate_one(reference, ids, LoRARequest("all", 1, adapters["lora_all"]), params).outputs[0].token_ids
+    other = generate_one(reference, ids, LoRARequest("qkv", 2, adapters["lora_qkv"]), params).outputs[0].token_ids
+    assert expected != other
+
+    engine = LLM(llama_dir, max_model_len=128, enable_lora=True, max_lora_rank=8).llm_engine
+    engine.add_request("r", {"prompt_token_ids": ids}, params, lora_request=LoRARequest("x", 1, str(path)))
+    engine.step()
+    shutil.rmtree(path)
+    shutil.copytree(adapters["lora_qkv"], path)  # new weights at the same path
+    engine.remove_lora(1)  # slot and host copy gone: a reload from the path would read the new files
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert finished[0].outputs[0].token_ids == expected
+    engine.add_request("s", {"prompt_token_ids": ids}, params, lora_request=LoRARequest("x2", 2, str(path)))
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert finished[1].outputs[0].token_ids == other

@@ -59,6 +59,7 @@ class Request:
         arrival_time: Optional[float] = None,
         lora_request: Optional[LoRARequest] = None,
         alora_invocation_start: Optional[int] = None,
+        lora_weights: Any = None,
         cache_salt: Optional[str] = None,
         block_hasher: Optional[Callable[["Request"], list[Any]]] = None,
         grammar: Optional["RequestGrammar"] = None,
@@ -70,6 +71,9 @@ class Request:
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.lora_request = lora_request
+        # The adapter weights validated at admission (opaque here): the runner loads exactly these,
+        # so a request never mixes weights even if its adapter is reloaded from a changed path.
+        self.lora_weights = lora_weights
         self.alora_invocation_start = alora_invocation_start
         self.cache_salt = cache_salt
         self.grammar = grammar

@@ -9,7 +9,7 @@ requests the runner already knows, their new blocks. The runner keeps the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -27,6 +27,7 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: Optional[LoRARequest]
     alora_invocation_start: Optional[int]
+    lora_weights: Any = None  # the adapter weights the request was admitted with (see Request)
 
 
 @dataclass

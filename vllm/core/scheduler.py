@@ -186,6 +186,7 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     lora_request=request.lora_request,
                     alora_invocation_start=request.alora_invocation_start,
+                    lora_weights=request.lora_weights,
                 )
             )
             num_scheduled[request.request_id] = num_new

@@ -78,7 +78,7 @@ class Processor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         params.verify_against_vocab(self.model_config.vocab_size)
         self._check_logprobs(params)
-        alora_start = self._resolve_lora(lora_request, prompt_token_ids)
+        alora_start, lora_weights = self._resolve_lora(lora_request, prompt_token_ids)
         grammar = None
         if params.structured_outputs is not None:
             if self.structured_output_manager is None:
@@ -97,6 +97,7 @@ class Processor:
             arrival_time=arrival_time,
             lora_request=lora_request,
             alora_invocation_start=alora_start,
+            lora_weights=lora_weights,
             cache_salt=cache_salt,
             block_hasher=self._block_hasher,
             grammar=grammar,
@@ -147,9 +148,10 @@ class Processor:
                 "embedded adapters)."
             )
 
-    def _resolve_lora(self, lora_request: Optional[LoRARequest], prompt_token_ids: list[int]) -> Optional[int]:
+    def _resolve_lora(self, lora_request: Optional[LoRARequest], prompt_token_ids: list[int]):
+        """(alora_invocation_start, the adapter's host weights) of a request's adapter."""
         if lora_request is None:
-            return None
+            return None, None
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
         if self.lora_adapters is None:
@@ -161,7 +163,7 @@ class Processor:
         self._refuse_control_tokens(lora_request, prompt_token_ids)
         invocation = adapter.invocation_tokens
         if not invocation:
-            return None
+            return None, adapter
         start = find_last_occurrence(prompt_token_ids, invocation)
         if start is None:
             text = self.tokenizer.decode(invocation, skip_special_tokens=False)
@@ -171,4 +173,4 @@ class Processor:
                 "Append the invocation string to the prompt (for chat, it is usually added by the chat template "
                 "or a final turn)."
             )
-        return start
+        return start, adapter

@@ -10,7 +10,9 @@ layers even when runtime LoRA is off (`lora_config` None; then `adapters` is Non
 `LinearWithLoRA` at start-up. Each step, `activate` makes the step's adapters
 resident (loading into free or least-recently-used slots that the step does not
 need) and returns lora_int_id -> slot. The scheduler guarantees at most `max_loras`
-distinct adapters per step, so a slot is always available.
+distinct adapters per step, so a slot is always available. A request carries the host weights
+it was validated with, and a slot is filled from those: an adapter reloaded in place (a new
+lora_int_id, maybe the same path with new files) never mixes into a request already running.
 
 `AdapterCache` is also what the input processor uses to validate an adapter and read
 its invocation tokens, so a bad adapter is rejected before it reaches the engine
@@ -129,17 +131,18 @@ class LoRAModelManager:
         self.adapters = AdapterCache(lora_config, specs, dtype, tokenizer_dir) if lora_config is not None else None
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
 
-    def activate(self, lora_requests: list[Optional[LoRARequest]]) -> dict[int, int]:
-        """Make the step's adapters resident; returns lora_int_id -> slot."""
-        needed = {r.lora_int_id: r for r in lora_requests if r is not None}
+    def activate(self, adapters: list[tuple[Optional[LoRARequest], Optional[LoRAModel]]]) -> dict[int, int]:
+        """Make the step's adapters resident; returns lora_int_id -> slot. Each entry is a
+        request's adapter and the weights it was admitted with (loaded as they are when given)."""
+        needed = {r.lora_int_id: (r, weights) for r, weights in adapters if r is not None}
         if len(needed) > self.max_loras:
             raise AssertionError(f"{len(needed)} adapters in one step exceed max_loras={self.max_loras}")
-        for lora_int_id, request in needed.items():
+        for lora_int_id, (request, weights) in needed.items():
             if lora_int_id in self._slots:
                 self._slots.move_to_end(lora_int_id)
                 continue
             slot = self._free_slot(needed)
-            adapter = self.adapters.get(request)
+            adapter = weights if weights is not None else self.adapters.get(request)
             for name, layer in self.layers.items():
                 layer.set_lora(slot, adapter.layers.get(name))
             self._slots[lora_int_id] = slot

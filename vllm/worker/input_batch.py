@@ -18,7 +18,7 @@ at or before each position).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ class CachedRequestState:
     lora_request: Optional[LoRARequest]
     alora_invocation_start: Optional[int]
     generator: Optional[torch.Generator]
+    lora_weights: Any = None  # the adapter weights admitted with the request (LoRAModel)
     control_scan: ScanState = field(default_factory=ScanState)
 
     @property

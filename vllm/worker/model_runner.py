@@ -109,7 +109,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         lora_slots = None
         if self.lora_manager is not None:
-            lora_slots = self.lora_manager.activate([self.requests[r].lora_request for r in sched.num_scheduled_tokens])
+            lora_slots = self.lora_manager.activate(
+                [(self.requests[r].lora_request, self.requests[r].lora_weights) for r in sched.num_scheduled_tokens])
         order = self._batch_order(sched, lora_slots)
         states = [self.requests[r] for r in order]
         inputs = build_step_inputs(states, [sched.num_scheduled_tokens[r] for r in order], self.block_size, lora_slots,
@@ -156,6 +157,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 lora_request=new.lora_request,
+                lora_weights=new.lora_weights,
                 alora_invocation_start=new.alora_invocation_start,
                 generator=self.generators.get(new.req_id),
             )

@@ -251,6 +251,8 @@ class ChatCompletionRequest(_SamplingRequest):
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str
     lora_path: str
+    # Replace the weights of an adapter already loaded under this name (vLLM's field).
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):

@@ -133,16 +133,22 @@ class OpenAIServingModels:
         if not request.lora_name or not request.lora_path:
             raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.", err_type="InvalidUserInput")
         async with self._lock:
-            if self._taken(request.lora_name):
+            old = self.lora_requests.get(request.lora_name) if request.load_inplace else None
+            if old is None and self._taken(request.lora_name):
                 raise BadRequestError(f"The lora adapter '{request.lora_name}' has already been loaded.",
                                       err_type="InvalidUserInput")
-            lora = LoRARequest(request.lora_name, next(self._next_id), request.lora_path)
+            # A reload gets a new lora_int_id: its KV blocks and slot are its own, and requests
+            # already running keep the weights they were admitted with (they travel with them).
+            lora = LoRARequest(request.lora_name, next(self._next_id), request.lora_path,
+                               base_model_name=old.base_model_name if old else None)
             try:
                 await self.engine.add_lora(lora)
             except ValueError as e:
                 raise BadRequestError(f"Failed to load LoRA adapter '{request.lora_name}': {e}",
                                       param="lora_path") from e
             self.lora_requests[request.lora_name] = lora
+            if old is not None:
+                await self.engine.remove_lora(old.lora_int_id)
         return f"Success: LoRA adapter '{request.lora_name}' added successfully."
 
     async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:

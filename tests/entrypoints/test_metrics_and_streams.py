@@ -45,6 +45,8 @@ def test_metrics_scrape(server, client):
     assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 4
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+    # Idle: every block is free again (cached blocks count as free: they can be evicted).
+    assert after["vllm:kv_cache_free_blocks"] == after["vllm:kv_cache_total_blocks"] > 0
 
 
 def test_lora_requests_info_names_running_adapters(server, client):
@@ -94,8 +96,10 @@ def test_disconnect_mid_stream_frees_blocks(server, client):
     during = server.metrics()
     stream.close()
     assert during["vllm:num_requests_running"] >= 1 and during["vllm:kv_cache_usage_perc"] > idle_usage
+    assert during["vllm:kv_cache_free_blocks"] < during["vllm:kv_cache_total_blocks"]
     assert _wait_for(lambda: _aborts(server) == aborted_before + 1), "the request was not aborted"
     assert _wait_for(lambda: metric("vllm:kv_cache_usage_perc") == idle_usage)
+    assert metric("vllm:kv_cache_free_blocks") == metric("vllm:kv_cache_total_blocks")  # no leaked block
     assert metric("vllm:num_requests_running") == 0
     assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).usage.completion_tokens
 

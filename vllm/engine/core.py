@@ -43,6 +43,7 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    num_free_blocks: int = 0  # KV blocks no request holds (cached ones included: they can be evicted)
 
 
 class EngineCore:
@@ -126,6 +127,7 @@ class EngineCore:
             running_lora_adapters=_adapter_names(self.scheduler.running),
             waiting_lora_adapters=_adapter_names(self.scheduler.waiting),
             max_lora=self.config.lora_config.max_loras if self.config.lora_config else 0,
+            num_free_blocks=kv.pool.get_num_free_blocks(),
         )
 
 

@@ -53,6 +53,8 @@ class _EngineStatsCollector:
             ("vllm:num_requests_running", "Number of requests running in the engine.", s.num_running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be scheduled.", s.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
+            ("vllm:kv_cache_free_blocks", "KV-cache blocks no request holds.", s.num_free_blocks),
+            ("vllm:kv_cache_total_blocks", "KV-cache blocks in all.", s.num_blocks),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(label, value)

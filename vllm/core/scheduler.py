@@ -69,10 +69,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         self.requests[request.request_id] = request
-        if self._by_priority:
-            bisect.insort_right(self.waiting, request, key=_sort_key)
-        else:
-            self.waiting.append(request)
+        self._enqueue(self.waiting, request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Abort (or otherwise finish) requests from outside the step loop."""
@@ -166,10 +163,7 @@ class Scheduler:
             self._new_block_ids.extend(b.block_id for b in new_blocks)
             self.waiting.popleft()
             self.kv_cache_manager.record_prefix_lookup(request, num_hit)
-            if self._by_priority:
-                bisect.insort_right(self.running, request, key=_sort_key)
-            else:
-                self.running.append(request)
+            self._enqueue(self.running, request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -206,10 +200,17 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._enqueue(self.waiting, request, front=True)
+
+    def _enqueue(self, queue, request: Request, front: bool = False) -> None:
+        """Into `queue` at its place: by `sort_key` under the priority policy, else at the end
+        (or, for a preempted request, the front: it resumes first)."""
         if self._by_priority:
-            bisect.insort_right(self.waiting, request, key=_sort_key)
+            bisect.insort_right(queue, request, key=_sort_key)
+        elif front:
+            queue.appendleft(request)
         else:
-            self.waiting.appendleft(request)
+            queue.append(request)
 
     def _fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """Bitmask rows for constrained requests that sample at the end of this step."""

@@ -31,7 +31,8 @@ def build_sampling_metadata(rows: list[CachedRequestState], vocab_size: int, dev
     for j, (state, p) in enumerate(zip(rows, params)):
         num_outputs = len(state.token_ids) - state.num_prompt_tokens
         banned = set(p.all_stop_token_ids) if num_outputs < p.min_tokens else set()
-        banned |= _bad_word_endings(p.bad_words_token_ids, state.output_token_ids)
+        if p.bad_words_token_ids:  # only then is the output so far needed
+            banned |= _bad_word_endings(p.bad_words_token_ids, state.output_token_ids)
         if banned:
             meta.banned_tokens[j] = sorted(banned)
         if p.logit_bias:

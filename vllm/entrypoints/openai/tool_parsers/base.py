@@ -271,10 +271,10 @@ _BARE = frozenset(" \t\r\n,:0123456789+-.eEtruefalsn")  # what may stand between
 _IN_CALL_LIST = frozenset(" \t\r\n,{]")
 
 
-class JsonSpan:
-    """Where the JSON object, or array of objects, starting at `start` ends, found as the text arrives (each
-    character is read once). It checks brackets, strings and the characters between them, so text that can
-    no longer be one is `BAD` at once; `load_json` has the last word on a complete span."""
+class IncrementalSpan:
+    """Where a bracketed span starting at `start` ends, found as the text arrives: subclasses'
+    `_advance` reads each character once from `_pos`, keeping open brackets on `_stack`, and
+    returns the end, `BAD`, or None to wait for more text. The first answer that is not None is kept."""
 
     BAD = -1
 
@@ -282,7 +282,6 @@ class JsonSpan:
         self.start = start
         self._pos = start
         self._stack: list[str] = []
-        self._in_string = False
         self._end: Optional[int] = None
 
     def scan(self, text: str) -> Optional[int]:
@@ -290,6 +289,19 @@ class JsonSpan:
         if self._end is None:
             self._end = self._advance(text)
         return self._end
+
+    def _advance(self, text: str) -> Optional[int]:
+        raise NotImplementedError
+
+
+class JsonSpan(IncrementalSpan):
+    """The JSON object, or array of objects, starting at `start`. It checks brackets, strings and
+    the characters between them, so text that can no longer be one is `BAD` at once; `load_json`
+    has the last word on a complete span."""
+
+    def __init__(self, start: int):
+        super().__init__(start)
+        self._in_string = False
 
     def _advance(self, text: str) -> Optional[int]:
         pos, size = self._pos, len(text)

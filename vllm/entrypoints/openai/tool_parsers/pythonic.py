@@ -20,7 +20,14 @@ import math
 import re
 from typing import Any, Optional
 
-from vllm.entrypoints.openai.tool_parsers.base import ParsedCall, Step, ToolParser, skip_ws, text_until
+from vllm.entrypoints.openai.tool_parsers.base import (
+    IncrementalSpan,
+    ParsedCall,
+    Step,
+    ToolParser,
+    skip_ws,
+    text_until,
+)
 
 START, END = "<|python_start|>", "<|python_end|>"
 _NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
@@ -61,7 +68,7 @@ class PythonicToolParser(ToolParser):
         end = self._span.scan(buf)
         if end is None and not final:
             return None
-        calls = _calls_from_python(buf[self._span.start:end]) if end is not None and end >= 0 else None
+        calls = _calls_from_python(buf[self._span.start:end]) if end not in (None, _PythonSpan.BAD) else None
         self._span = None
         if calls is None:
             return self._opener, [buf[:self._opener]]
@@ -90,22 +97,14 @@ class PythonicToolParser(ToolParser):
 _PLAIN = re.compile(r"[^\\'\"]*")
 
 
-class _PythonSpan:
-    """Where the Python list starting at `start` ends, found as the text arrives: brackets outside string
-    literals (single, double, triple-quoted, with escapes). -1 once the text cannot be a call list."""
+class _PythonSpan(IncrementalSpan):
+    """The Python list starting at `start`: brackets outside string literals (single, double,
+    triple-quoted, with escapes). `BAD` (-1) once the text cannot be a call list."""
 
     def __init__(self, start: int):
-        self.start = start
-        self._pos = start
-        self._stack: list[str] = []
+        super().__init__(start)
         self._quote = ""  # the quote that closes the string being read
         self._first = True  # the list's first element must start with a name
-        self._end: Optional[int] = None
-
-    def scan(self, text: str) -> Optional[int]:
-        if self._end is None:
-            self._end = self._advance(text)
-        return self._end
 
     def _advance(self, text: str) -> Optional[int]:
         pos, size = self._pos, len(text)
@@ -130,7 +129,7 @@ class _PythonSpan:
             char = text[pos]
             if self._first and self._stack and not char.isspace():
                 if not char.isidentifier():
-                    return -1
+                    return self.BAD
                 self._first = False
             if char in "'\"":
                 if text.startswith(char * 3, pos):
@@ -145,7 +144,7 @@ class _PythonSpan:
                 self._stack.append(char)
             elif char in _CLOSE:
                 if not self._stack or self._stack.pop() != _CLOSE[char]:
-                    return -1
+                    return self.BAD
                 if not self._stack:
                     return pos + 1
             pos += 1

@@ -70,8 +70,9 @@ def random_prompts(vocab_size: int, n: int, input_range: tuple[int, int], output
 
 
 def write_random_adapter(path: str, hf_config, rank: int, targets: list[str], seed: int,
-                         invocation_tokens: Optional[list[int]] = None, dtype=torch.float32) -> str:
-    """A PEFT-format LoRA (or aLoRA) adapter with random A and B for `hf_config`."""
+                         invocation_tokens: Optional[list[int]] = None, dtype=torch.float32,
+                         b_std: float = 0.01) -> str:
+    """A PEFT-format LoRA (or aLoRA) adapter for `hf_config`: A ~ N(0, 1/in), B ~ N(0, b_std^2)."""
     os.makedirs(path, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     h = hf_config.hidden_size
@@ -87,7 +88,7 @@ def write_random_adapter(path: str, hf_config, rank: int, targets: list[str], se
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{name}"
             n_in, n_out = shapes[name]
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, n_in, generator=gen) / n_in**0.5).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n_out, rank, generator=gen) * 0.01).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n_out, rank, generator=gen) * b_std).to(dtype)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
               "task_type": "CAUSAL_LM", "bias": "none", "alora_invocation_tokens": invocation_tokens}

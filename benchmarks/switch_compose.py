@@ -29,15 +29,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ORACLE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "granite_switch",
-                          "oracle")
-# This folder holds benchmarks/granite_switch.py, which would shadow the granite_switch package.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ORACLE_DIR = os.path.join(REPO_ROOT, "tests", "granite_switch", "oracle")
+# This folder holds benchmarks/granite_switch.py, which would shadow the granite_switch package;
+# the repository root gives `benchmarks.common` instead.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-sys.path.insert(0, ORACLE_DIR)
+sys.path[:0] = [ORACLE_DIR, REPO_ROOT]
 
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 from transformers import GraniteConfig, GraniteForCausalLM  # noqa: E402
+
+from benchmarks.common import write_random_adapter  # noqa: E402
 
 from build_assets import ALL_LINEAR, ROLE_INVOCATION, compose, seed_all  # noqa: E402
 from granite_tokenizer import build_tokenizer  # noqa: E402
@@ -45,7 +47,7 @@ from granite_tokenizer import build_tokenizer  # noqa: E402
 ALORA, LORA = "query_rewrite", "citations"
 
 
-def build_base(out: str, args) -> object:
+def build_base(out: str, args) -> tuple[object, GraniteConfig]:
     tok = build_tokenizer()
     config = GraniteConfig(
         vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -61,32 +63,7 @@ def build_base(out: str, args) -> object:
     model.config.dtype = dtype
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    return tok
-
-
-def write_adapter(out: str, args, invocation: list[int] | None, seed: int) -> None:
-    """A PEFT LoRA (aLoRA with `invocation`) on every linear projection: A ~ N(0, 1/in), B ~ N(0, 0.02^2)."""
-    os.makedirs(out, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    h, head = args.hidden, args.hidden // args.heads
-    q, kv, inter = args.heads * head, args.kv_heads * head, args.intermediate
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-    dtype = getattr(torch, args.dtype)
-    tensors = {}
-    for layer in range(args.layers):
-        for name in ALL_LINEAR:
-            parent = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{parent}.{name}"
-            n_in, n_out = shapes[name]
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(args.rank, n_in, generator=gen) / n_in**0.5).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n_out, args.rank, generator=gen) * 0.02).to(dtype)
-    save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": ALL_LINEAR,
-              "task_type": "CAUSAL_LM", "bias": "none", "lora_dropout": 0.0, "use_rslora": False,
-              "use_dora": False, "alora_invocation_tokens": invocation}
-    with open(os.path.join(out, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    return tok, config
 
 
 def main() -> None:
@@ -105,11 +82,13 @@ def main() -> None:
     os.makedirs(root, exist_ok=True)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     base_dir = os.path.join(root, "base")
-    tok = build_base(base_dir, args)
+    tok, config = build_base(base_dir, args)
     invocation = tok.encode(ROLE_INVOCATION, add_special_tokens=False)
     paths = {ALORA: os.path.join(root, "adapters", ALORA), LORA: os.path.join(root, "adapters", LORA)}
-    write_adapter(paths[ALORA], args, invocation, seed=101)
-    write_adapter(paths[LORA], args, None, seed=102)
+    dtype = getattr(torch, args.dtype)
+    # Rank-r adapters on every linear projection, A ~ N(0, 1/in), B ~ N(0, 0.02^2).
+    write_random_adapter(paths[ALORA], config, args.rank, ALL_LINEAR, 101, invocation, dtype, b_std=0.02)
+    write_random_adapter(paths[LORA], config, args.rank, ALL_LINEAR, 102, None, dtype, b_std=0.02)
     manifest_yaml = os.path.join(root, "adapters", "compose.yaml")
     with open(manifest_yaml, "w") as f:
         f.write(f"{ALORA}:\n  path: {json.dumps(paths[ALORA])}\n  type: alora\n"

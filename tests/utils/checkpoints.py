@@ -25,7 +25,7 @@ from transformers import (
 
 from tests.utils.tokenizer import save_tokenizer
 
-_COMMON = dict(
+TINY_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -42,30 +42,30 @@ ARCHITECTURES = ("llama", "llama3_tied", "mistral", "granite", "granite4", "gran
 def _config(arch: str, vocab_size: int, eos: int):
     ids = dict(vocab_size=vocab_size, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     if arch == "llama":
-        return LlamaConfig(**_COMMON, **ids)
+        return LlamaConfig(**TINY_SHAPE, **ids)
     if arch == "llama3_tied":
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64, "rope_theta": 500000.0}
-        return LlamaConfig(**_COMMON, **ids, tie_word_embeddings=True, rope_scaling=rope, rope_theta=500000.0)
+        return LlamaConfig(**TINY_SHAPE, **ids, tie_word_embeddings=True, rope_scaling=rope, rope_theta=500000.0)
     if arch == "mistral":
-        return MistralConfig(**_COMMON, **ids, sliding_window=None, head_dim=16)
+        return MistralConfig(**TINY_SHAPE, **ids, sliding_window=None, head_dim=16)
     if arch == "granite":
-        return GraniteConfig(**_COMMON, **ids, embedding_multiplier=2.0, attention_multiplier=0.2,
+        return GraniteConfig(**TINY_SHAPE, **ids, embedding_multiplier=2.0, attention_multiplier=0.2,
                              residual_multiplier=0.5, logits_scaling=0.5, tie_word_embeddings=True)
     if arch in ("granite4", "granite4_nope"):
         # Dense Granite 4 (granite-4.0-micro shape): attention layers only, no experts, a
         # shared MLP whose size differs from intermediate_size, untied head.
         return GraniteMoeHybridConfig(
-            **{**_COMMON, "intermediate_size": 512}, **ids, shared_intermediate_size=96, num_local_experts=0,
-            layer_types=["attention"] * _COMMON["num_hidden_layers"],
+            **{**TINY_SHAPE, "intermediate_size": 512}, **ids, shared_intermediate_size=96, num_local_experts=0,
+            layer_types=["attention"] * TINY_SHAPE["num_hidden_layers"],
             position_embedding_type="rope" if arch == "granite4" else None,
             embedding_multiplier=3.0, attention_multiplier=0.15, residual_multiplier=0.4, logits_scaling=2.0,
             tie_word_embeddings=False,
         )
     if arch == "qwen2":
-        return Qwen2Config(**_COMMON, **ids, tie_word_embeddings=False)
+        return Qwen2Config(**TINY_SHAPE, **ids, tie_word_embeddings=False)
     if arch == "qwen3":
-        return Qwen3Config(**_COMMON, **ids, head_dim=32, tie_word_embeddings=False)
+        return Qwen3Config(**TINY_SHAPE, **ids, head_dim=32, tie_word_embeddings=False)
     raise ValueError(f"unknown test architecture {arch!r}; known: {ARCHITECTURES}")
 
 

@@ -33,10 +33,10 @@ import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoTokenizer, GraniteConfig, GraniteForCausalLM  # noqa: E402
 
-from granite_tokenizer import END, START, build_tokenizer  # noqa: E402
+from granite_tokenizer import END, START, build_tokenizer  # noqa: E402  (puts the repository root on sys.path)
 
-QKV = ["q_proj", "k_proj", "v_proj"]
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from tests.utils.adapters import ALL_LINEAR, ATTN_QKV as QKV  # noqa: E402
+from tests.utils.checkpoints import TINY_SHAPE  # noqa: E402
 USER_INVOCATION = "<guardian>"  # appears inside a user message
 ROLE_INVOCATION = f"{START}assistant{END}"  # the assistant generation prompt
 
@@ -62,15 +62,8 @@ def seed_all(seed: int) -> None:
 def build_base(out: str) -> tuple[GraniteForCausalLM, object]:
     tok = build_tokenizer()
     config = GraniteConfig(
+        **TINY_SHAPE,
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        initializer_range=0.2,
         tie_word_embeddings=False,
         embedding_multiplier=2.0,
         residual_multiplier=0.5,

@@ -143,28 +143,28 @@ async def metrics(raw_request: Request) -> Response:
     return Response(raw_request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+async def _generate(raw_request: Request, work: Awaitable[Any], stream: bool) -> Response:
+    """A generation endpoint's answer: a stream as it is, a whole response raced against
+    the client's disconnect (which aborts its requests)."""
+    return _respond(await work if stream else await _unless_disconnected(raw_request, work))
+
+
 @router.post("/v1/completions")
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
-    if request.stream:
-        return _respond(await serving.create_completion(request))
-    return _respond(await _unless_disconnected(raw_request, serving.create_completion(request)))
+    return await _generate(raw_request, serving.create_completion(request), request.stream)
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     serving: OpenAIServingChat = raw_request.app.state.serving_chat
-    if request.stream:
-        return _respond(await serving.create_chat_completion(request))
-    return _respond(await _unless_disconnected(raw_request, serving.create_chat_completion(request)))
+    return await _generate(raw_request, serving.create_chat_completion(request), request.stream)
 
 
 @router.post("/v1/responses")
 async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
     serving: OpenAIServingResponses = raw_request.app.state.serving_responses
-    if request.stream:
-        return _respond(await serving.create_response(request))
-    return _respond(await _unless_disconnected(raw_request, serving.create_response(request)))
+    return await _generate(raw_request, serving.create_response(request), request.stream)
 
 
 @router.post("/tokenize")

@@ -40,12 +40,16 @@ SAMPLES: list[Sample] = [
     ("bracket_text", "[Note] The tool list is empty.", "[Note] The tool list is empty.", []),
     ("array_of_non_calls", '[{"city": "Boston"}]', '[{"city": "Boston"}]', []),
     ("empty_array", "<|tool_call|>[]", "<|tool_call|>[]", []),
-    ("malformed_array", '<tool_call>[{"name": "f", "arguments": {"a": 1}]',
-     '<tool_call>[{"name": "f", "arguments": {"a": 1}]', []),
-    ("one_bad_item", '<tool_call>[{"name": "f", "arguments": {}}, {"arguments": {}}]',
-     '<tool_call>[{"name": "f", "arguments": {}}, {"arguments": {}}]', []),
-    ("truncated", '<|tool_call|>[{"name": "get_current_weather", "arguments": {"loc',
-     '<|tool_call|>[{"name": "get_current_weather", "arguments": {"loc', []),
+    # Once a call has started it stands; what cannot continue the array is text again.
+    ("malformed_array", '<tool_call>[{"name": "f", "arguments": {"a": 1}]', "]", [("f", {"a": 1})]),
+    ("one_bad_item", '<tool_call>[{"name": "f", "arguments": {}}, {"arguments": {}}]', '{"arguments": {}}]',
+     [("f", {})]),
+    ("bad_first_item", '<tool_call>[{"arguments": {}}, {"name": "f", "arguments": {}}]',
+     '<tool_call>[{"arguments": {}}, {"name": "f", "arguments": {}}]', []),
+    ("truncated", '<|tool_call|>[{"name": "get_current_weather", "arguments": {"loc', None,
+     [("get_current_weather", '{"loc')]),
+    ("truncated_between_items", '<|tool_call|>[{"name": "f", "arguments": {}}, {"name": "g', '{"name": "g',
+     [("f", {})]),
     ("marker_then_text", "<|tool_call|>I cannot call tools.", "<|tool_call|>I cannot call tools.", []),
 ]
 

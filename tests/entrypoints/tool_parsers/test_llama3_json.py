@@ -36,9 +36,10 @@ SAMPLES: list[Sample] = [
     ("json_answer_then_call_shape",  # a `{` after the start is text, even when it looks like a call
      "Here you go: " + WEATHER, "Here you go: " + WEATHER, []),
     ("curly_text", "{curly} braces", "{curly} braces", []),
-    ("malformed", '{"name": "get_weather", "parameters": {"city": "SF"]}',
-     '{"name": "get_weather", "parameters": {"city": "SF"]}', []),
-    ("truncated", "<|python_tag|>" + WEATHER[:40], "<|python_tag|>" + WEATHER[:40], []),
+    ("malformed", '{"name": "get_weather", "parameters": {"city": "SF"]}', "]}", [("get_weather", '{"city": "SF"')]),
+    ("truncated", "<|python_tag|>" + WEATHER[:40], None, [("get_weather", '{"')]),
+    ("truncated_before_arguments", "<|python_tag|>" + WEATHER[:36], "<|python_tag|>" + WEATHER[:36], []),
+    ("arguments_first", '{"parameters": {"q": "x"}, "name": "search"}', None, [("search", {"q": "x"})]),
     ("tag_then_text", "<|python_tag|>print('hi')", "<|python_tag|>print('hi')", []),
     ("second_malformed", WEATHER + '; {"name": "x", "parameters": ', '; {"name": "x", "parameters": ',
      [("get_weather", SF)]),

@@ -41,8 +41,18 @@ SAMPLES: list[Sample] = [
     ("attribute_function", "[math.sqrt(x=4)]", "[math.sqrt(x=4)]", []),
     ("kwargs_unpacking", "[f(**opts)]", "[f(**opts)]", []),
     ("infinite_float", "[f(x=1e999)]", "[f(x=1e999)]", []),
-    ("mismatched_brackets", '[f(x=[1, 2)]', '[f(x=[1, 2)]', []),
-    ("truncated", '[get_weather(city="San Fr', '[get_weather(city="San Fr', []),
+    # Once a call has started it stands with the arguments sent; the rest is text again.
+    ("mismatched_brackets", "[f(x=[1, 2)]", ")]", [("f", '{"x": [1, 2')]),
+    ("truncated", '[get_weather(city="San Fr', None, [("get_weather", '{"city": "San Fr')]),
+    ("second_call_positional", '[f(a=1), g("x")]', 'g("x")]', [("f", {"a": 1})]),
+    ("call_in_later_argument", "[f(a=1, b=g())]", "g())]", [("f", '{"a": 1, "b": ')]),
+    ("repeated_keyword", "[f(a=1, a=2)]", "=2)]", [("f", '{"a": 1, "a"')]),
+    ("tuples_and_parentheses", "[f(t=(1, 'a'), p=(2), e=(), n=((3,),), s=('x' 'y'), d={'k': (1,)})]", None,
+     [("f", {"t": [1, "a"], "p": 2, "e": [], "n": [[3]], "s": "xy", "d": {"k": [1]}})]),
+    ("undecided_parenthesis_truncated", "[f(a=1, t=(1", "(1", [("f", '{"a": 1, "t": ')]),
+    ("python_escapes", "[f(s='\\x41\\101\\u00e9\\N{BULLET}\\q\\\n!', n=0x1F, m=1_000, k=.5)]", None,
+     [("f", {"s": "AAé•\\q!", "n": 31, "m": 1000, "k": 0.5})]),
+    ("unicode_kept", "[f(s='日本 ☀', t=\"\\ud83c\")]", None, [("f", {"s": "日本 ☀", "t": "\ud83c"})]),
     ("not_at_start", "Call " + WEATHER, "Call " + WEATHER, []),
 ]
 

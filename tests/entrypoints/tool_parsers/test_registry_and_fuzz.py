@@ -27,13 +27,16 @@ NOISE = [
     "<tool_call>", "</tool_call>", "<|tool_call|>", "<|python_tag|>", "<|python_start|>", "<|python_end|>",
     "<tool", "_call>", "<|", "{", "}", "[", "]", "(", ")", '"name": ', '"f"', ", ", '"arguments": ',
     '"parameters": ', "{}", '"x\\"y"', '"</tool_call>"', "\\", '"', "'", "'''", ";", " ", "\n", "Hi", "é☀",
-    "f(", "a=1", "b='s'", "=", ":", "null", "true", "1e5", "NaN",
+    "f(", "a=1", "b='s'", "=", ":", "null", "true", "1e5", "NaN", "-", "1.", "\\u00e9", "\\ud83d", "\\ude00",
+    "\\x4", "r'", "(1,)", "(2)", "{'k': ", '"""', "\n\t", "1_0", "0x1F", "'a' 'b'", '"name": "f", ',
 ]
 CALLS = [  # whole calls of every format, so that each parser meets valid calls among the noise
     '<tool_call>{"name": "f", "arguments": {"a": [1, {"b": "c"}]}}</tool_call>', '<tool_call>\n{"name": "g"}\n',
     '<|tool_call|>[{"name": "f", "arguments": {}}]', '[{"name": "f", "arguments": {"x": "é"}}]',
     '{"name": "g", "parameters": {}}', '<|python_tag|>{"name": "f", "arguments": {"a": "x"}}', "; ",
     "[f(a=1), g(b='x')]", "<|python_start|>[g()]<|python_end|>", '[{"name": "f", "parameters": {"a": 1}}',
+    "[f(t=(1, (2)), d={'k': [r'\\d', u\"é\"]}, s='''x''' \"y\")]", '{"parameters": {"a": [true]}, "name": "f"}',
+    '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', '{"name": "f", "arguments": {"a": -1.5e3',
 ]
 
 

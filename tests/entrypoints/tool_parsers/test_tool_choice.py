@@ -118,8 +118,11 @@ def test_parse_required_output():
     assert calls[0].arguments == '{"q": "été", "filter": {"lang": "fr"}}' and TOOL_CALL_ID.match(calls[0].id)
     assert parse_required_output('[{"name": "now", "arguments": {}}]')[0].name == "now"
     truncated = '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"ci'
-    assert [c.name for c in parse_required_output(truncated)] == ["now"]  # max_tokens keeps complete calls
-    for garbage in ["", "I cannot", "{}", "[1]", '[{"parameters": {}}]']:
+    # Cut by max_tokens: the complete calls, and the arguments streamed of the last one (as vLLM streams them).
+    assert [(c.name, c.arguments) for c in parse_required_output(truncated)] == [("now", "{}"),
+                                                                                  ("get_weather", '{"ci')]
+    assert [c.name for c in parse_required_output('[{"name": "now", "parameters": {}}, {"nam')] == ["now"]
+    for garbage in ["", "I cannot", "{}", "[1]", '[{"parameters": {}}]', "[]"]:
         assert parse_required_output(garbage) == []
 
 

@@ -3,27 +3,33 @@
 What it owns: `ToolCall`, `ExtractedToolCalls`, `ToolCallDelta`, `StreamDelta`, and `ToolParser`, which
 splits a model's text into content and tool calls, whole (`extract_tool_calls`) or as it is generated
 (`extract_streaming` per delta, then `finish`). A format only implements `_step`: at the start of the text
-not yet decided, how much can be decided now and what it is (content, or calls), or "wait for more".
+not yet decided, how much can be decided now and what it is (content, a `CallStart`, `Arguments`), or
+"wait for more". The JSON formats stream their calls with `call_stream`.
 
 Invariants:
 - Whole and streamed parsing are one computation: `extract_tool_calls` feeds the text to a fresh parser as
   a single delta. `_step` decides only what no later text can change, so however the text is split, the
   streamed content concatenates to the whole `content`, and the calls are the same, in the same order, with
   the same `arguments` strings.
-- A call is sent once it is complete and valid, in one `ToolCallDelta` carrying its id, name and all its
-  arguments (so a call never has to be taken back when its JSON turns out to be broken).
+- Calls stream as vLLM sends them: a call's first `ToolCallDelta` carries its index, id and complete name
+  (and the arguments known so far, maybe ""); later ones carry only the index and the next non-empty piece
+  of the arguments, as it is generated. The pieces concatenate to the call's `arguments`. A piece is never
+  taken back: nothing is sent that later text could change (no closing quote or brace before it is in the
+  text, no number before what ends it).
 - Content never shows text the parser is still deciding about: a tail that could begin a marker is held
   back until the next delta or `finish()`. A marker that does not open a valid call is ordinary text, and
-  so is a malformed or truncated call, verbatim. Nothing raises on model output.
+  so is a call that turns out malformed before its name was sent, verbatim. A call that breaks after its
+  name was sent (cut by `max_tokens`, or malformed) stands with the arguments sent so far, which may then
+  not be valid JSON (as in vLLM's and OpenAI's streams), and the text from the first character that did not
+  fit is read as text again (see `call_stream`). Nothing raises on model output.
 - Without a call, `content` is the model's text exactly. With calls, whitespace touching a call is dropped
   (text on both sides of calls stays separated by the whitespace that came before them), and `content` is
   None when nothing else is left.
-- `arguments` is `json.dumps(<a JSON object>, ensure_ascii=False)`, as vLLM sends them.
+- `arguments` of a complete call is `json.dumps(<a JSON object>, ensure_ascii=False)`, as vLLM sends them.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -83,15 +89,22 @@ class StreamDelta:
 
 
 @dataclass
-class ParsedCall:
-    """A call a format recognised, before the engine numbers it and gives it an id."""
+class CallStart:
+    """A format's event: a call begins, with its complete name and the first piece of its arguments."""
 
     name: str
-    arguments: str
+    arguments: str = ""
 
 
-# What `_step` returns: None to wait for more text, or (characters used, [content text | ParsedCall]).
-Step = Optional[tuple[int, list[Union[str, ParsedCall]]]]
+@dataclass
+class Arguments:
+    """A format's event: the next piece of the arguments of the call last started."""
+
+    text: str
+
+
+# What `_step` returns: None to wait for more text, or (characters used, [content text | CallStart | Arguments]).
+Step = Optional[tuple[int, list[Union[str, CallStart, Arguments]]]]
 
 
 class ToolParser:
@@ -157,14 +170,16 @@ class ToolParser:
                 step = (len(self._buf), [self._buf])
             elif step is None and not final:
                 break
-            if step is None or step[0] <= 0:
+            if step is None or (step[0] <= 0 and not step[1]):
                 step = (len(self._buf), [self._buf])
             used, events = step
             self._buf = self._buf[used:]
             self._at_start = False
             for event in events:
-                if isinstance(event, ParsedCall):
+                if isinstance(event, CallStart):
                     calls.append(self._call(event))
+                elif isinstance(event, Arguments):
+                    self._arguments(event.text, calls)
                 else:
                     self._text(event, content)
         if final and self._held_ws:
@@ -187,13 +202,22 @@ class ToolParser:
         self._held_ws = text[len(body):]
         self._emitted = True
 
-    def _call(self, call: ParsedCall) -> ToolCallDelta:
+    def _call(self, call: CallStart) -> ToolCallDelta:
         if self._emitted and not self._gap:
             self._gap = self._held_ws
         self._held_ws = ""
         self._after_call = True
         self._n_calls += 1
         return ToolCallDelta(self._n_calls - 1, make_tool_call_id(), call.name, call.arguments)
+
+    def _arguments(self, text: str, calls: list[ToolCallDelta]) -> None:
+        """A piece of the last call's arguments: joined to this delta's piece of that call, if any."""
+        if not text:
+            return
+        if calls and calls[-1].index == self._n_calls - 1:
+            calls[-1].arguments += text
+        else:
+            calls.append(ToolCallDelta(self._n_calls - 1, None, None, text))
 
 
 # ---- helpers for the formats -------------------------------------------------------------------------------
@@ -224,115 +248,3 @@ def text_until(buf: str, final: bool, markers: tuple[str, ...]) -> Step:
         return min(found), [buf[:min(found)]]
     used = len(buf) - (0 if final else held_tail(buf, markers))
     return (used, [buf[:used]]) if used > 0 else None
-
-
-_DECODER = json.JSONDecoder(strict=False)  # models write raw newlines and tabs inside strings
-
-
-def load_json(text: str) -> Any:
-    """The JSON value `text` holds, or None when it is not valid JSON."""
-    try:
-        return _DECODER.decode(text)
-    except (ValueError, RecursionError):
-        return None
-
-
-def call_from_json(obj: Any, need_arguments: bool = False) -> Optional[ParsedCall]:
-    """`{"name": ..., "arguments" | "parameters": {...}}` as a call, or None. Missing or null arguments are
-    `{}` unless `need_arguments`; arguments the model serialised itself are read back."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    key = next((k for k in ("arguments", "parameters") if k in obj), None)
-    if key is None and need_arguments:
-        return None
-    arguments = obj.get(key) if key else None
-    if arguments is None:
-        arguments = {}
-    elif isinstance(arguments, str):
-        arguments = load_json(arguments)
-    if not isinstance(arguments, dict):
-        return None
-    try:
-        return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False))
-    except (ValueError, RecursionError):  # a number too large for a float: Infinity is not JSON
-        return None
-
-
-def calls_from_json(value: Any, need_arguments: bool = False) -> Optional[list[ParsedCall]]:
-    """A call object, or a non-empty array of them, as calls; None unless every element is one."""
-    items = value if isinstance(value, list) else [value]
-    calls = [call_from_json(item, need_arguments) for item in items]
-    return calls if calls and all(calls) else None  # type: ignore[return-value]
-
-
-_CLOSE = {"}": "{", "]": "["}
-_STRING_BODY = re.compile(r'[^"\\]*')
-_BARE = frozenset(" \t\r\n,:0123456789+-.eEtruefalsn")  # what may stand between strings and brackets
-_IN_CALL_LIST = frozenset(" \t\r\n,{]")
-
-
-class IncrementalSpan:
-    """Where a bracketed span starting at `start` ends, found as the text arrives: subclasses'
-    `_advance` reads each character once from `_pos`, keeping open brackets on `_stack`, and
-    returns the end, `BAD`, or None to wait for more text. The first answer that is not None is kept."""
-
-    BAD = -1
-
-    def __init__(self, start: int):
-        self.start = start
-        self._pos = start
-        self._stack: list[str] = []
-        self._end: Optional[int] = None
-
-    def scan(self, text: str) -> Optional[int]:
-        """The span's end (exclusive), `BAD`, or None while it is incomplete. `text` only ever grows."""
-        if self._end is None:
-            self._end = self._advance(text)
-        return self._end
-
-    def _advance(self, text: str) -> Optional[int]:
-        raise NotImplementedError
-
-
-class JsonSpan(IncrementalSpan):
-    """The JSON object, or array of objects, starting at `start`. It checks brackets, strings and
-    the characters between them, so text that can no longer be one is `BAD` at once; `load_json`
-    has the last word on a complete span."""
-
-    def __init__(self, start: int):
-        super().__init__(start)
-        self._in_string = False
-
-    def _advance(self, text: str) -> Optional[int]:
-        pos, size = self._pos, len(text)
-        while pos < size:
-            if self._in_string:
-                pos = _STRING_BODY.match(text, pos).end()
-                if pos >= size:
-                    break
-                if text[pos] == "\\":
-                    if pos + 1 >= size:
-                        break  # the escaped character has not arrived
-                    pos += 2
-                    continue
-                self._in_string = False
-            else:
-                char = text[pos]
-                if len(self._stack) == 1 and self._stack[0] == "[" and char not in _IN_CALL_LIST:
-                    return self.BAD
-                if char in "{[":
-                    self._stack.append(char)
-                elif not self._stack:
-                    return self.BAD
-                elif char == '"':
-                    self._in_string = True
-                elif char in _CLOSE:
-                    if self._stack.pop() != _CLOSE[char]:
-                        return self.BAD
-                    if not self._stack:
-                        return pos + 1
-                elif char not in _BARE:
-                    return self.BAD
-            pos += 1
-        self._pos = pos
-        return None

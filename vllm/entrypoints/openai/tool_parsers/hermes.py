@@ -3,27 +3,22 @@
 What it owns: the tagged-JSON format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated
 for several calls, with text before (and, leniently, between or after) them; `granite` reuses it.
 
-Invariants (on top of `base`'s):
+Invariants (on top of `base`'s and `call_stream`'s, which streams the calls):
 - A call is a start marker, optional whitespace, then one JSON value: a call object, or a non-empty array
-  of them (all of which must be calls). `arguments` may be missing or null (`{}`), or a string holding a
-  JSON object (read back). `</tool_call>` after it is consumed; when it is missing the call still counts.
-- A marker not followed by a valid call is text, and what follows it is parsed as text again, so the
-  calls after a malformed one are still found. `</tool_call>` inside a JSON string does not end a call.
+  of them. `arguments` may be missing or null (`{}`), or a string holding a JSON object (read back).
+  `</tool_call>` after it is consumed; when it is missing the call still counts.
+- A marker whose first call breaks before its name is sent is text, and what follows the marker is parsed
+  as text again, so the calls after a malformed one are still found. A call that breaks later stands, and
+  the text from where it broke is parsed again (a `</tool_call>` right there is dropped).
+  `</tool_call>` inside a JSON string does not end a call.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from vllm.entrypoints.openai.tool_parsers.base import (
-    JsonSpan,
-    Step,
-    ToolParser,
-    calls_from_json,
-    load_json,
-    skip_ws,
-    text_until,
-)
+from vllm.entrypoints.openai.tool_parsers.base import Step, ToolParser, skip_ws, text_until
+from vllm.entrypoints.openai.tool_parsers.call_stream import MORE, NOT_A_CALL, WAIT, CallStream
 
 
 class HermesToolParser(ToolParser):
@@ -36,7 +31,7 @@ class HermesToolParser(ToolParser):
 
     def __init__(self, tokenizer=None):
         super().__init__(tokenizer)
-        self._span: Optional[JsonSpan] = None  # the JSON of the call being received
+        self._calls: Optional[CallStream] = None  # the JSON of the calls being received
         self._opener = 0  # how much of `_buf` becomes text if that call turns out invalid
         self._closing = False  # a call was just sent: its closing tag may follow
 
@@ -49,7 +44,7 @@ class HermesToolParser(ToolParser):
             if not final and self.END.startswith(buf[pos:]):
                 return None
             self._closing = False
-        if self._span is None:
+        if self._calls is None:
             start = self._call_start(buf, final)
             if start is None:
                 return None
@@ -57,16 +52,18 @@ class HermesToolParser(ToolParser):
                 return text_until(buf, final, self.START)
             if start == len(buf) or buf[start] not in "{[":
                 return self._not_a_call(buf)
-            self._span = JsonSpan(start)
-        end = self._span.scan(buf)
-        if end is None:
-            return self._not_a_call(buf) if final else None
-        calls = calls_from_json(load_json(buf[self._span.start:end])) if end != JsonSpan.BAD else None
-        if calls is None:
+            self._calls = CallStream(start)
+        outcome, pos, events = self._calls.advance(buf, final)
+        if outcome == WAIT:
+            return None
+        if outcome == NOT_A_CALL:
             return self._not_a_call(buf)
-        self._span = None
+        if outcome == MORE:
+            self._calls.shift(pos)
+            return (pos, events) if pos or events else None
+        self._calls = None  # DONE, or BROKEN: what follows is read as text (a closing tag is dropped)
         self._closing = True
-        return end, calls
+        return (pos, events) if pos or events else self._step(buf, final)
 
     def _call_start(self, buf: str, final: bool) -> Optional[int]:
         """Where the JSON of a call would start if `buf` opens one (len(buf) when the text ends first),
@@ -94,5 +91,5 @@ class HermesToolParser(ToolParser):
                 return pos
 
     def _not_a_call(self, buf: str) -> Step:
-        self._span = None
+        self._calls = None
         return self._opener, [buf[:self._opener]]

@@ -10,22 +10,16 @@ Invariants (on top of `base`'s):
 - A call object needs a non-empty string `name` and a `parameters` or `arguments` key, so an answer that is
   JSON (`{"name": "Ada", "age": 36}`) stays content. After a call, `; {...}` continues the list; a
   trailing `;` is dropped; anything else is content again.
-- An object that is not a valid call is text from its `{` on.
+- An object that breaks before its call starts (its name is complete and its arguments have begun) is
+  text from its `{` on; one that breaks later stands as a call (see `call_stream`), and the rest is text.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from vllm.entrypoints.openai.tool_parsers.base import (
-    JsonSpan,
-    Step,
-    ToolParser,
-    call_from_json,
-    load_json,
-    skip_ws,
-    text_until,
-)
+from vllm.entrypoints.openai.tool_parsers.base import Step, ToolParser, skip_ws, text_until
+from vllm.entrypoints.openai.tool_parsers.call_stream import DONE, MORE, NOT_A_CALL, WAIT, CallStream
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -35,12 +29,12 @@ class Llama3JsonToolParser(ToolParser):
 
     def __init__(self, tokenizer=None):
         super().__init__(tokenizer)
-        self._span: Optional[JsonSpan] = None  # the object being received
+        self._object: Optional[CallStream] = None  # the object being received
         self._opener = 0  # how much of `_buf` becomes text if that object is not a call
         self._in_list = False  # just after a call: `;` may bring the next one
 
     def _step(self, buf: str, final: bool) -> Step:
-        if self._span is None:
+        if self._object is None:
             if self._in_list:
                 return self._next_in_list(buf, final)
             start = self._call_start(buf, final)
@@ -50,18 +44,18 @@ class Llama3JsonToolParser(ToolParser):
                 if buf.startswith(PYTHON_TAG):  # a tag that opens no call
                     return len(PYTHON_TAG), [PYTHON_TAG]
                 return text_until(buf, final, (PYTHON_TAG,))
-            self._span = JsonSpan(start)
-        end = self._span.scan(buf)
-        if end is None and not final:
+            self._object = CallStream(start, need_arguments=True, arrays=False)
+        outcome, pos, events = self._object.advance(buf, final)
+        if outcome == WAIT:
             return None
-        call = None
-        if end is not None and end != JsonSpan.BAD:
-            call = call_from_json(load_json(buf[self._span.start:end]), need_arguments=True)
-        self._span = None
-        self._in_list = call is not None
-        if call is None:
+        if outcome == MORE:
+            self._object.shift(pos)
+            return (pos, events) if pos or events else None
+        self._object = None
+        self._in_list = outcome == DONE  # after a broken call, the rest is text
+        if outcome == NOT_A_CALL:
             return self._opener, [buf[:self._opener]]
-        return end, [call]
+        return (pos, events) if pos or events else self._step(buf, final)
 
     def _call_start(self, buf: str, final: bool) -> Optional[int]:
         """Where a call object starts if `buf` opens one, -1 when it does not, None when that depends on
@@ -89,7 +83,7 @@ class Llama3JsonToolParser(ToolParser):
             if start == len(buf):
                 return (start, []) if final else None  # a trailing `;` is dropped
             if buf[start] == "{":
-                self._span, self._opener = JsonSpan(start), start
+                self._object, self._opener = CallStream(start, need_arguments=True, arrays=False), start
                 return self._step(buf, final)
             self._in_list = False
             return pos + 1, [buf[:pos + 1]]

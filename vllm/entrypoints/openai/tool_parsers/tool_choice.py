@@ -11,9 +11,11 @@ What it owns, mirroring vLLM:
 Invariants:
 - Schemas are built from copies: the request's tools are never modified. A tool without parameters takes
   `{"type": "object", "properties": {}}` (its arguments are `{}`), as in vLLM.
-- `parse_required_output` and `RequiredOutputParser` are one computation: each array item that is complete
-  and a valid call is a call (so output cut short by `max_tokens` keeps its complete calls); the output is
-  never content. A named call's arguments are the output text verbatim, streamed as it comes.
+- `parse_required_output` and `RequiredOutputParser` are one computation (`call_stream`'s): each array
+  item's call starts once its name is complete and its arguments stream as they are generated, so output
+  cut short by `max_tokens` keeps its complete calls and the arguments streamed of the last one; what
+  cannot continue the array is dropped, and the output is never content. A named call's arguments are the
+  output text verbatim, streamed as it comes (as vLLM does).
 """
 
 from __future__ import annotations
@@ -23,17 +25,15 @@ from typing import Any, Optional
 
 from vllm.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
-    JsonSpan,
     Step,
     StreamDelta,
     ToolCall,
     ToolCallDelta,
     ToolParser,
-    call_from_json,
-    load_json,
     make_tool_call_id,
     skip_ws,
 )
+from vllm.entrypoints.openai.tool_parsers.call_stream import MORE, WAIT, CallStream
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -93,14 +93,14 @@ def named_output_call(name: str, text: str) -> ToolCall:
 
 
 class RequiredOutputParser(ToolParser):
-    """Reads the array `required_schema` constrains, sending each call as soon as its item is complete."""
+    """Reads the array `required_schema` constrains, streaming each call's arguments as they are generated."""
 
     name = "required"
 
     def __init__(self, tokenizer: Any = None):
         super().__init__(tokenizer)
-        self._span: Optional[JsonSpan] = None  # the item being received
-        self._state = "open"  # "open": before `[`; "items": inside the array; "done": the rest is ignored
+        self._calls: Optional[CallStream] = None  # the array, once its `[` has come
+        self._done = False  # the array ended, or this is not the constrained shape: the rest is ignored
 
     def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
         extracted = super().extract_tool_calls(model_output)
@@ -108,29 +108,24 @@ class RequiredOutputParser(ToolParser):
         return extracted
 
     def _step(self, buf: str, final: bool) -> Step:
-        if self._span is None:
-            pos = skip_ws(buf, 0)
-            if pos == len(buf) or self._state == "done":
-                return (len(buf), []) if final or self._state == "done" else None
-            expected = "[" if self._state == "open" else "{,"
-            if buf[pos] not in expected:
-                self._state = "done"  # the array ended (`]`), or this is not the constrained shape
-                return len(buf), []
-            if buf[pos] != "{":
-                self._state = "items"
-                return pos + 1, []
-            self._span = JsonSpan(pos)
-        end = self._span.scan(buf)
-        if end is None and not final:
-            return None
-        call = None
-        if end is not None and end != JsonSpan.BAD:
-            call = call_from_json(load_json(buf[self._span.start:end]))
-        self._span = None
-        if call is None:
-            self._state = "done"
+        if self._done:
             return len(buf), []
-        return end, [call]
+        if self._calls is None:
+            pos = skip_ws(buf, 0)
+            if pos == len(buf):
+                return (pos, []) if final else None
+            if buf[pos] != "[":
+                self._done = True
+                return len(buf), []
+            self._calls = CallStream(pos, objects=False)
+        outcome, pos, events = self._calls.advance(buf, final)
+        if outcome == WAIT:
+            return None
+        if outcome == MORE:
+            self._calls.shift(pos)
+            return (pos, events) if pos or events else None
+        self._done = True  # DONE, BROKEN or NOT_A_CALL: whatever follows is not a call
+        return len(buf), events
 
 
 class NamedOutputParser(ToolParser):

@@ -55,6 +55,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VLLM_TORCH_PROFILER_DIR": _str("VLLM_TORCH_PROFILER_DIR"),
     # API key for the server when --api-key is not given (vLLM's name).
     "VLLM_API_KEY": _str("VLLM_API_KEY"),
+    # Test-only fault injection, e.g. "step=3,tokenizer=BOOM" (see vllm/fault_injection.py).
+    "VLLM_FAULT_INJECTION": _str("VLLM_FAULT_INJECTION"),
 }
 
 

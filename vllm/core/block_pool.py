@@ -62,6 +62,12 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = None
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget these blocks' hashes (a failed step never wrote them): no later request may
+        hit them. Always safe: whoever holds a block keeps it."""
+        for block in blocks:
+            self._evict(block)
+
     def cache_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash]) -> None:
         """Register full blocks under their hashes (blocks[i] holds block_hashes[i])."""
         if not self.enable_caching:

@@ -106,6 +106,14 @@ class KVCacheManager:
             self.pool.cache_blocks(blocks[start:end], request.block_hashes[start:end])
             self._num_cached_blocks[request.request_id] = end
 
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """Take the request's blocks from token `num_tokens` on out of the prefix cache: a step
+        that failed registered them (allocation does) but never wrote their KV."""
+        first = num_tokens // self.block_size
+        self.pool.uncache(self.req_to_blocks.get(request.request_id, [])[first:])
+        if self._num_cached_blocks.get(request.request_id, 0) > first:
+            self._num_cached_blocks[request.request_id] = first
+
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)

@@ -3,7 +3,15 @@
 A full block of `block_size` tokens is identified by a chained hash:
     hash_i = H(hash_{i-1}, tokens of block i, extra keys of block i)
 so equal hashes mean equal whole prefixes. Extra keys carry what else changes the
-block's KV: the LoRA adapter (its `lora_int_id`) and the request's cache salt.
+block's KV: the LoRA adapter and the request's cache salt.
+
+The adapter key is ("lora", identity, adapter start). The identity is the content
+fingerprint of the weights the request computes with (`Request.adapter_identity`), not
+its `lora_int_id` or name: an id or name reused for other weights after `remove_lora`
+(or files changed on disk and reloaded) never hits blocks of the old weights, and two ids
+loading the very same weights share blocks, which is correct since they compute the same KV.
+The start is in the key because the KV of a block after it depends on where the adapter
+began: two aLoRA requests whose invocation starts differ inside one block must not share it.
 
 aLoRA rule (one of the three places that know aLoRA exists): a block [start, end)
 with end <= alora_invocation_start was computed with the base weights, so it gets
@@ -59,7 +67,7 @@ def block_extra_keys(request: "Request", start: int, end: int) -> tuple:
     if request.lora_request is not None:
         adapter_start = request.alora_invocation_start or 0
         if end > adapter_start:
-            keys += (("lora", request.lora_int_id),)
+            keys += (("lora", request.adapter_identity, adapter_start),)
     return keys
 
 

@@ -7,6 +7,9 @@ Invariants:
   the list grows as tokens are appended (`block_hasher` decides adapter identity).
 - `alora_invocation_start` is None for base requests and plain LoRAs; for an aLoRA
   it is the index of the first token of the last invocation occurrence in the prompt.
+- `lora_weights` (the host weights validated at admission) never change: the request
+  computes with them to the end, whatever happens to its adapter's name or id meanwhile;
+  `adapter_identity` is their fingerprint.
 - `priority` (lower runs earlier) matters only under the scheduler's priority policy;
   `sort_key` = (priority, arrival_time) orders requests there.
 """
@@ -99,6 +102,17 @@ class Request:
     @property
     def lora_int_id(self) -> int:
         return self.lora_request.lora_int_id if self.lora_request else 0
+
+    @property
+    def adapter_identity(self) -> Any:
+        """What the adapter computes with: the fingerprint of the weights the request carries
+        (`LoRAModel.fingerprint`), or its `lora_int_id` when it carries none (scheduler tests).
+        None for base requests. Prefix-cache keys and slot sharing go by this, not by the id,
+        which a caller may reuse for other weights after `remove_lora`."""
+        if self.lora_request is None:
+            return None
+        fingerprint = getattr(self.lora_weights, "fingerprint", b"")
+        return fingerprint if fingerprint else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

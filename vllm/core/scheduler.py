@@ -5,12 +5,18 @@ and `max_num_seqs`. Prefill, chunked prefill and decode are the same thing to it
 request needs `num_tokens - num_computed_tokens` more tokens computed, of which it gets at
 most the remaining budget and, when set, `long_prefill_token_threshold`. Policy:
 
-- Running requests first, in order. When blocks run out, the newest running
-  request is preempted (its blocks freed, recomputed later from the front of the
-  waiting queue). No new request is admitted in a step that preempted.
+- Running requests first, oldest first (`running` is kept in arrival order). When
+  blocks run out, the newest running request is preempted (its blocks freed,
+  recomputed later from the front of the waiting queue). No new request is admitted
+  in a step that preempted.
 - Then waiting requests FCFS, reusing their longest cached prefix. A request whose
   adapter would exceed `max_loras` distinct adapters in the step is skipped (it
   keeps its place) and later ones may go.
+- One `lora_int_id` means one set of weights per step (the runner maps ids to slots): a
+  request whose id is already in the step with other weights (`Request.adapter_identity`,
+  e.g. the id was reused after `remove_lora` while old requests still run) sits the step
+  out, running or waiting, keeping its place. The older weights' requests are ahead, so
+  they finish and the newer ones then run.
 - A request finishes on a stop token (after `min_tokens`), at `max_tokens`, at
   `max_model_len`, when its grammar terminates, or when aborted.
 
@@ -18,6 +24,11 @@ Under `policy="priority"` "newest" and "FCFS" mean "largest (priority, arrival t
 "smallest first": `waiting` and `running` are both kept sorted by `Request.sort_key`, so
 the front of `waiting` is the next admitted and the end of `running` the next victim.
 Everything else is the same code path; under "fcfs" the order is plain arrival order.
+
+Liveness (tests/core/test_preemption_fairness.py): the engine guarantees that one
+request of `max_model_len` tokens fits in the cache, and the front of `running` is scheduled
+first every step and is never a victim while another request runs, so it gains at least one
+token per step and finishes; nothing stalls and the oldest request is never starved.
 
 It also counts prompt tokens (once per request, at its first sampled token) and generated
 tokens for the engine's statistics.
@@ -63,6 +74,8 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._by_priority = scheduler_config.policy == "priority"
+        # The latest schedule() result: what a step that fails had scheduled.
+        self.last_output: Optional[SchedulerOutput] = None
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -103,10 +116,14 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        step_adapters: dict[int, object] = {}  # lora_int_id -> adapter identity scheduled this step
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if _other_weights(request, step_adapters):
+                index += 1
+                continue
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
@@ -124,10 +141,12 @@ class Scheduler:
             )
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if request.lora_int_id:
+                step_adapters[request.lora_int_id] = request.adapter_identity
             index += 1
 
         if not preempted:
-            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs, step_adapters)
 
         for request_id, n in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += n
@@ -142,14 +161,27 @@ class Scheduler:
         )
         self._finished_req_ids = set()
         self._fill_grammar_bitmask(output)
+        self.last_output = output
         return output
 
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> int:
-        loras = {r.lora_int_id for r in self.running if r.lora_int_id and r.request_id in num_scheduled}
+    def discard_step(self, sched: SchedulerOutput) -> None:
+        """`sched` failed to run: forget the prefix-cache entries of the blocks it was to fill
+        (their KV was never written). Its requests cannot go on and must be aborted."""
+        for req_id, num_new in sched.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                self.kv_cache_manager.uncache_from(request, request.num_computed_tokens - num_new)
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                          step_adapters: dict[int, object]) -> int:
+        # Every running request's adapter counts, scheduled this step or not: it needs a slot
+        # in the next step it runs, alongside whatever is admitted now.
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id}
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= self.max_loras:
+            new_adapter = request.lora_int_id and request.lora_int_id not in loras and len(loras) >= self.max_loras
+            if new_adapter or _other_weights(request, step_adapters):
                 skipped.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -170,6 +202,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             if request.lora_int_id:
                 loras.add(request.lora_int_id)
+                step_adapters[request.lora_int_id] = request.adapter_identity
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -203,10 +236,14 @@ class Scheduler:
         self._enqueue(self.waiting, request, front=True)
 
     def _enqueue(self, queue, request: Request, front: bool = False) -> None:
-        """Into `queue` at its place: by `sort_key` under the priority policy, else at the end
-        (or, for a preempted request, the front: it resumes first)."""
+        """Into `queue` at its place: by `sort_key` under the priority policy; under FCFS,
+        `running` by arrival time (so its end is the newest, the victim, even when a request
+        skipped for `max_loras` is admitted after a newer one), `waiting` at the end (or, for a
+        preempted request, the front: it resumes first)."""
         if self._by_priority:
             bisect.insort_right(queue, request, key=_sort_key)
+        elif queue is self.running:
+            bisect.insort_right(queue, request, key=_arrival)
         elif front:
             queue.appendleft(request)
         else:
@@ -286,3 +323,14 @@ class Scheduler:
 
 def _sort_key(request: Request) -> tuple[int, float]:
     return request.sort_key
+
+
+def _arrival(request: Request) -> float:
+    return request.arrival_time
+
+
+def _other_weights(request: Request, step_adapters: dict[int, object]) -> bool:
+    """Whether the request's `lora_int_id` is already in the step with different weights."""
+    if not request.lora_int_id or request.lora_int_id not in step_adapters:
+        return False
+    return step_adapters[request.lora_int_id] != request.adapter_identity

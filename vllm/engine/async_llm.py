@@ -7,16 +7,23 @@ Invariants:
 - The event loop never runs a model step and never touches the engine: every command
   (add a request, abort, add or remove an adapter) travels to the engine thread through a
   thread-safe queue and its result (or exception, e.g. a processor ValueError) comes back
-  to the awaiting coroutine through a future.
+  to the awaiting coroutine through a future. Any other exception (a tokenizer or grammar
+  compiler bug, a broken adapter file read) comes back as `EngineStepError` (HTTP 500) with
+  the original as its cause: it fails that command only.
 - Outputs reach a request's asyncio queue via `loop.call_soon_threadsafe`. A stream
   yields DELTA outputs (only what is new); `RequestStream.collect` rebuilds the whole
   output for callers that want it at once.
 - A stream abandoned before it finished (client disconnect, cancelled task) aborts its
   request, so its KV blocks are freed.
 - The engine thread blocks on the command queue when nothing is running (no busy spin).
-- An exception in a step fails every in-flight request with `EngineStepError` and is
-  logged; the loop goes on if aborting those requests leaves the engine clean, otherwise
-  the engine is marked dead and every later call raises `EngineDeadError`.
+- An exception in a step fails, with `EngineStepError`, the requests that step had
+  scheduled (the scheduler's `last_output`; every in-flight request when the step broke
+  before scheduling, so it is unknown what it touched) and aborts them; the others go on.
+  The loop goes on if the engine is then consistent (every request it holds has a stream,
+  every scheduled sequence a caller-side state, every KV block holder a request),
+  otherwise the engine is marked dead and every later call raises `EngineDeadError`.
+- A `BaseException` from a step (e.g. an injected fatal fault) is not recovered from: it
+  ends the loop, which marks the engine dead and fails every stream and queued command.
 - `tokenizer` may be used from the event loop for encode/decode while the engine thread
   decodes: both only read the HF tokenizer once its truncation/padding state is settled,
   which the constructor does before the thread starts.
@@ -28,7 +35,7 @@ import asyncio
 import queue
 import threading
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Optional, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Protocol, Sequence
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.core import EngineStats
@@ -46,7 +53,9 @@ _ABORTED = object()
 
 
 class EngineStepError(RuntimeError):
-    """A model step failed; the requests in flight at that moment are failed with it."""
+    """The engine failed on a request: a model step that ran it failed, or admitting it (or
+    another command, e.g. loading an adapter) raised something other than a validation
+    `ValueError`, i.e. a bug or a resource failure. Only the requests involved fail."""
 
 
 class EngineDeadError(RuntimeError):
@@ -295,17 +304,22 @@ class AsyncLLM:
         except Exception as e:
             if future is None:
                 logger.exception("Engine command %s failed", getattr(fn, "__name__", fn))
-            else:
+            elif isinstance(e, ValueError):  # validation: the caller's mistake (HTTP 400)
                 _post(loop, _settle, future, None, e)
+            else:  # not the caller's mistake: a server error (HTTP 500) for this command only
+                failure = EngineStepError(f"The engine failed on this request: {e!r}")
+                failure.__cause__ = e
+                _post(loop, _settle, future, None, failure)
             return
         if future is not None:
             _post(loop, _settle, future, result, None)
 
     def _step(self) -> None:
+        before = self.engine.engine_core.scheduler.last_output
         try:
             outputs = self.engine.step()
         except Exception as e:
-            self._recover_from_step_error(e)
+            self._recover_from_step_error(e, before)
             self._stats = self.engine.get_stats()
             return
         # Before any caller sees this step's outputs, so stats never lag what they saw.
@@ -323,17 +337,44 @@ class AsyncLLM:
             except Exception:
                 logger.exception("Recording metrics failed")
 
-    def _recover_from_step_error(self, error: Exception) -> None:
-        ids = list(self._streams)
-        logger.exception("Engine step failed; failing %d in-flight request(s): %s", len(ids), ", ".join(ids))
-        self._fail_streams(EngineStepError(f"The engine failed while running this request: {error!r}"))
+    def _recover_from_step_error(self, error: Exception, before: Any) -> None:
+        """Fail and abort the requests the failed step scheduled. `before` is the scheduler's
+        `last_output` from before the step: if it is still the latest, the step broke before
+        scheduling anything, and what it touched is unknown."""
+        scheduled = self.engine.engine_core.scheduler.last_output
+        ids = list(self._streams) if scheduled is before else self._parents_of(scheduled.num_scheduled_tokens)
+        logger.exception("Engine step failed; failing the %d request(s) it ran: %s", len(ids), ", ".join(ids))
+        for request_id in ids:  # one exception each: a shared one would pile up tracebacks
+            failure = EngineStepError(f"The engine failed while running this request: {error!r}")
+            self._streams.pop(request_id).put_threadsafe(failure)
         try:
             self.engine.abort_request(ids)
-            if self.engine.has_unfinished_requests():
-                raise RuntimeError("requests without a caller are still in the engine")
+            if scheduled is before:  # nothing is left running: drop cache entries the step may have made
+                self.engine.reset_prefix_cache()
+            problem = self._inconsistency()
+            if problem:
+                raise RuntimeError(problem)
         except Exception as e:
             # The engine's state is no longer trustworthy: stop serving rather than corrupt outputs.
             raise RuntimeError(f"engine unusable after a failed step ({error!r}): {e!r}") from e
+
+    def _parents_of(self, child_ids: Iterable[str]) -> list[str]:
+        """Stream ids (parent requests) of engine-core request ids (an `n > 1` child fails its parent)."""
+        children = self.engine.output_processor.child_to_parent
+        parents = {children[c][0].request_id for c in child_ids if c in children}
+        return sorted(p for p in parents if p in self._streams)
+
+    def _inconsistency(self) -> Optional[str]:
+        """What is wrong with the engine's bookkeeping after a recovery, or None."""
+        processor, scheduler = self.engine.output_processor, self.engine.engine_core.scheduler
+        orphans = set(processor.parents) - set(self._streams)
+        if orphans:
+            return f"requests without a caller are still in the engine: {sorted(orphans)}"
+        if not set(scheduler.requests) <= set(processor.child_to_parent):
+            return "the scheduler holds sequences no caller waits for"
+        if not set(scheduler.kv_cache_manager.req_to_blocks) <= set(scheduler.requests):
+            return "KV blocks are held by requests the scheduler no longer knows"
+        return None
 
     def _stop(self, error: EngineDeadError, taken: Sequence[Any] = ()) -> None:
         """Fail everything still waiting: streams, commands already taken from the queue, queued ones."""

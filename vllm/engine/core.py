@@ -97,7 +97,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         with self.profiler.step():
             sched = self.scheduler.schedule()
-            result = self.runner.execute_model(sched)
+            try:
+                result = self.runner.execute_model(sched)
+            except BaseException:
+                self.scheduler.discard_step(sched)
+                raise
             if sched.is_empty:
                 return []
             return self.scheduler.update_from_output(sched, result)

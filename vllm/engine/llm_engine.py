@@ -141,7 +141,8 @@ class LLMEngine:
         adapters.get(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> None:
-        """Forget an adapter. Requests still using it reload it from its path."""
+        """Forget an adapter for new requests. Requests still running keep the weights they were
+        admitted with until they finish."""
         manager = self.engine_core.runner.lora_manager
         if manager is not None:
             manager.remove_adapter(lora_int_id)

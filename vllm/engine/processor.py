@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from vllm import fault_injection
 from vllm.config import VllmConfig
 from vllm.core.kv_cache_utils import make_block_hasher
 from vllm.core.request import Request
@@ -45,8 +46,10 @@ class Processor:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
         """Returns (prompt text or None, prompt token ids, cache salt)."""
+        # The prompt's text even when ids come with it: the server tokenises before it gets here.
+        fault_injection.on_tokenize(prompt.get("prompt") if isinstance(prompt, dict) else prompt)
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt), None
+            return prompt, self._encode(prompt), None
         if isinstance(prompt, dict):
             salt = prompt.get("cache_salt")
             if "prompt_token_ids" in prompt:
@@ -55,11 +58,19 @@ class Processor:
                     raise ValueError("prompt_token_ids must be a list of integers.")
                 return prompt.get("prompt"), list(ids), salt
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"]), salt
+                return prompt["prompt"], self._encode(prompt["prompt"]), salt
         raise ValueError(
             f"Unsupported prompt {type(prompt).__name__}: expected a string, {{'prompt': str}} or "
             "{'prompt_token_ids': list[int]}."
         )
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: the tokenizer would fail with a TypeError
+            raise ValueError(f"The prompt holds invalid text: lone surrogate {text[e.start]!r} at index {e.start}; "
+                             "prompts must be valid Unicode (UTF-8).") from None
+        return self.tokenizer.encode(text)
 
     def make_request(
         self,

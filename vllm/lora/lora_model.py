@@ -10,6 +10,7 @@ adapter does not target stays absent (the layer zeroes it), and rank <= max_lora
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -18,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from vllm import fault_injection
 from vllm.lora.peft_helper import PEFTHelper
 
 
@@ -49,6 +51,10 @@ class LoRAModel:
     rank: int
     peft: PEFTHelper
     layers: dict[str, LoRALayerWeights] = field(default_factory=dict)  # our module name -> weights
+    # sha256 of the loaded weights (see `weights_fingerprint`), set once at load: the adapter's
+    # identity for prefix-cache keys and LoRA slots, so a name or id reused for other weights never
+    # reaches blocks or a slot filled with the old ones.
+    fingerprint: bytes = b""
 
     @property
     def invocation_tokens(self) -> Optional[tuple[int, ...]]:
@@ -93,7 +99,9 @@ def load_lora_model(
     targets = _peft_targets(specs)
     model = LoRAModel(lora_int_id, name, 0, peft)
     peft_paths: dict[tuple[str, int], str] = {}  # (our module, slice) -> PEFT module path, for scaling
-    for key, tensor in _read_tensors(name, path).items():
+    tensors = _read_tensors(name, path)
+    for index, (key, tensor) in enumerate(tensors.items()):
+        fault_injection.on_adapter_tensor(name, index, len(tensors))
         peft_module, which = _split_name(name, key)
         if peft_module not in targets:
             raise ValueError(
@@ -134,7 +142,24 @@ def load_lora_model(
             layer.lora_b[i] = (b.float() * peft.scaling(peft_module, rank)).to(dtype).contiguous()
     if not model.layers:
         raise ValueError(f"LoRA adapter {name!r} in {path!r} has no LoRA weights.")
+    model.fingerprint = weights_fingerprint(model)
     return model
+
+
+def weights_fingerprint(model: LoRAModel) -> bytes:
+    """sha256 over every module's slices as the kernels see them (A and scaled B, with names,
+    dtypes and shapes): equal fingerprints compute equal KV. One pass over the weights at load
+    (about a millisecond per MB)."""
+    h = hashlib.sha256()
+    for module_name in sorted(model.layers):
+        layer = model.layers[module_name]
+        for i, (a, b) in enumerate(zip(layer.lora_a, layer.lora_b)):
+            if a is None:
+                continue
+            h.update(f"{module_name}:{i}:{a.dtype}:{tuple(a.shape)}:{tuple(b.shape)}".encode())
+            for tensor in (a, b):
+                h.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 def _peft_targets(specs: dict[str, ModuleSpec]) -> dict[str, tuple[str, Optional[int]]]:

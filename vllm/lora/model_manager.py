@@ -10,9 +10,22 @@ layers even when runtime LoRA is off (`lora_config` None; then `adapters` is Non
 `LinearWithLoRA` at start-up. Each step, `activate` makes the step's adapters
 resident (loading into free or least-recently-used slots that the step does not
 need) and returns lora_int_id -> slot. The scheduler guarantees at most `max_loras`
-distinct adapters per step, so a slot is always available. A request carries the host weights
-it was validated with, and a slot is filled from those: an adapter reloaded in place (a new
-lora_int_id, maybe the same path with new files) never mixes into a request already running.
+distinct adapters per step and one set of weights per lora_int_id in a step, so a slot is
+always available and the mapping is unambiguous. A request carries the host weights
+it was validated with, and a slot is filled from those; a slot is reused for a
+lora_int_id only while it holds weights with the same fingerprint (`LoRAModel.fingerprint`),
+so an adapter reloaded in place (a new lora_int_id, or the same id after `remove_adapter`,
+maybe the same path with new files) never mixes into a request already running, nor the
+other way round.
+
+Unloading (`remove_adapter`) "waits for" running requests: it forgets the slot and the host
+copy at once, so new requests must load the adapter again, while requests already admitted
+keep computing with the weights they carry (their slot is refilled from those when needed).
+
+Host memory bound: `AdapterCache` holds at most `max_cpu_loras` adapters (LRU). A request
+pins the weights it carries until it finishes, so adapters evicted (or removed) while
+requests use them stay in memory until then: the host copies are bounded by
+`max_cpu_loras` plus the distinct adapters of unfinished requests.
 
 `AdapterCache` is also what the input processor uses to validate an adapter and read
 its invocation tokens, so a bad adapter is rejected before it reaches the engine
@@ -91,6 +104,13 @@ class AdapterCache:
                         len(model.layers))
             return model
 
+    def __len__(self) -> int:
+        """Adapters held now (at most max_cpu_loras)."""
+        return len(self._cache)
+
+    def __contains__(self, lora_int_id: int) -> bool:
+        return lora_int_id in self._cache
+
     def remove(self, lora_int_id: int) -> None:
         with self._lock:
             self._cache.pop(lora_int_id, None)
@@ -130,22 +150,33 @@ class LoRAModelManager:
                 layer.set_lora(slot, weights.get(name))
         self.adapters = AdapterCache(lora_config, specs, dtype, tokenizer_dir) if lora_config is not None else None
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
+        self._slot_fingerprints: dict[int, bytes] = {}  # lora_int_id -> fingerprint of the weights in its slot
 
     def activate(self, adapters: list[tuple[Optional[LoRARequest], Optional[LoRAModel]]]) -> dict[int, int]:
         """Make the step's adapters resident; returns lora_int_id -> slot. Each entry is a
         request's adapter and the weights it was admitted with (loaded as they are when given)."""
-        needed = {r.lora_int_id: (r, weights) for r, weights in adapters if r is not None}
+        needed: dict[int, tuple[LoRARequest, Optional[LoRAModel]]] = {}
+        for request, weights in adapters:
+            if request is None:
+                continue
+            seen = needed.setdefault(request.lora_int_id, (request, weights))
+            if seen[1] is not None and weights is not None and seen[1].fingerprint != weights.fingerprint:
+                raise AssertionError(f"lora_int_id {request.lora_int_id} with two sets of weights in one step")
         if len(needed) > self.max_loras:
             raise AssertionError(f"{len(needed)} adapters in one step exceed max_loras={self.max_loras}")
         for lora_int_id, (request, weights) in needed.items():
-            if lora_int_id in self._slots:
+            adapter = weights if weights is not None else self.adapters.get(request)
+            slot = self._slots.get(lora_int_id)
+            if slot is not None and self._slot_fingerprints.get(lora_int_id) == adapter.fingerprint:
                 self._slots.move_to_end(lora_int_id)
                 continue
-            slot = self._free_slot(needed)
-            adapter = weights if weights is not None else self.adapters.get(request)
+            if slot is None:
+                slot = self._free_slot(needed)
             for name, layer in self.layers.items():
                 layer.set_lora(slot, adapter.layers.get(name))
             self._slots[lora_int_id] = slot
+            self._slots.move_to_end(lora_int_id)
+            self._slot_fingerprints[lora_int_id] = adapter.fingerprint
         return {lora_int_id: self._slots[lora_int_id] for lora_int_id in needed}
 
     def _free_slot(self, needed: dict) -> int:
@@ -156,11 +187,14 @@ class LoRAModelManager:
         for lora_int_id, slot in self._slots.items():
             if lora_int_id not in needed:
                 del self._slots[lora_int_id]
+                self._slot_fingerprints.pop(lora_int_id, None)
                 return slot
         raise AssertionError("no LoRA slot can be freed")
 
     def remove_adapter(self, lora_int_id: int) -> None:
-        """Forget an adapter (runtime unload): its slot and host copy."""
+        """Forget an adapter (runtime unload): its slot and host copy. Requests already
+        admitted with it finish with the weights they carry."""
         self._slots.pop(lora_int_id, None)
+        self._slot_fingerprints.pop(lora_int_id, None)
         if self.adapters is not None:
             self.adapters.remove(lora_int_id)

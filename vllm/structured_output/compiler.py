@@ -11,8 +11,10 @@ Invariants:
   that differ only in property order are different grammars.
 - A spec is compiled at most once while it stays cached, even when several threads (the
   HTTP thread validating, the engine thread building matchers) ask for it at once; later
-  callers wait for the first compile. Failures are cached too, so a bad spec sent again
-  costs a dictionary lookup.
+  callers wait for the first compile. Spec errors are cached too, so a bad spec sent again
+  costs a dictionary lookup. Any other compile failure (not a ValueError: a bug or a
+  resource failure) is a RuntimeError (HTTP 500) for the requests waiting on that compile
+  and is not cached: the next request compiles again.
 - The matching itself is xgrammar's: this module never inspects generated text.
 """
 
@@ -27,6 +29,7 @@ from typing import Any, Optional
 
 import xgrammar as xgr
 
+from vllm import fault_injection
 from vllm.sampling_params import StructuredOutputsParams
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed
@@ -122,6 +125,7 @@ class GrammarSpec:
         return cls("grammar" if "::=" in grammar else "lark", grammar, any_ws)
 
     def compile(self, compiler: xgr.GrammarCompiler) -> xgr.CompiledGrammar:
+        fault_injection.on_grammar_compile(self.text)
         try:
             if self.kind in ("json", "json_object"):
                 return compiler.compile_json_schema(self.text, any_whitespace=self.any_whitespace)
@@ -148,7 +152,8 @@ class GrammarSpec:
 class _Entry:
     ready: threading.Event = field(default_factory=threading.Event)
     compiled: Optional[xgr.CompiledGrammar] = None
-    error: Optional[str] = None
+    error: Optional[str] = None  # the spec is bad (ValueError, cached)
+    failure: Optional[BaseException] = None  # the compile itself broke (not cached)
 
 
 class GrammarCache:
@@ -182,16 +187,27 @@ class GrammarCache:
             # Compile outside the lock: a large schema must not block other specs.
             try:
                 entry.compiled = spec.compile(self._compiler)
+            except ValueError as e:
+                entry.error = str(e)
             except Exception as e:  # noqa: BLE001 - waiters must never see a half-made entry
-                entry.error = str(e) if isinstance(e, ValueError) else f"Grammar compilation failed: {e!r}"
+                entry.failure = e
+                self._forget(spec, entry)
             finally:
                 entry.ready.set()
         else:
             entry.ready.wait()
+        if entry.failure is not None:
+            # Not the client's fault (a bug, a resource failure): a server error, for this request only.
+            raise RuntimeError(f"Grammar compilation failed: {entry.failure!r}") from entry.failure
         if entry.error is not None:
             # A fresh exception each time: a shared one would pile up tracebacks.
             raise ValueError(entry.error)
         return entry.compiled
+
+    def _forget(self, spec: GrammarSpec, entry: _Entry) -> None:
+        with self._lock:
+            if self._entries.get(spec) is entry:
+                del self._entries[spec]
 
     def __len__(self) -> int:
         with self._lock:

@@ -63,9 +63,13 @@ def _at_least_one(num_blocks: int, source: str) -> int:
 
 
 def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int, device: torch.device) -> list[torch.Tensor]:
-    """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size]."""
+    """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size].
+
+    Zeroed, not empty: on the CPU that touches every page now, so the cache is resident from
+    start-up (a cache too large for the machine fails here, not hours later) and the server's
+    memory does not creep up as the free-block queue rotates through blocks never used before."""
     shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_size)
-    return [torch.empty(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_layers)]
+    return [torch.zeros(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_layers)]
 
 
 def zero_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> None:

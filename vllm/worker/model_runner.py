@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from vllm import fault_injection
 from vllm.attention.metadata import AttentionMetadata
 from vllm.config import VllmConfig
 from vllm.core.kv_cache_utils import cdiv
@@ -46,6 +47,8 @@ class ModelRunner:
         self.lora_manager = None
         self.router = None  # ControlTokenRouter for checkpoints with embedded adapters
         self.kv_caches: list[torch.Tensor] = []
+        self.num_model_steps = 0  # steps that ran scheduled requests (fault injection counts them)
+        fault_injection.check_spec()  # a bad VLLM_FAULT_INJECTION fails the launch, not a request
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -107,6 +110,8 @@ class ModelRunner:
         zero_blocks(self.kv_caches, sched.new_block_ids)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
+        self.num_model_steps += 1
+        fault_injection.on_model_step(self.num_model_steps)
         lora_slots = None
         if self.lora_manager is not None:
             lora_slots = self.lora_manager.activate(

@@ -28,8 +28,10 @@ def server_args(adapters) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def server(llama_dir, server_args):
-    with RemoteOpenAIServer(llama_dir, server_args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as remote:
+def server(llama_dir, server_args, tmp_path_factory):
+    # Runtime loads may read the test adapters and every test's temporary folder.
+    args = [*server_args, "--allowed-lora-root", str(tmp_path_factory.getbasetemp())]
+    with RemoteOpenAIServer(llama_dir, args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as remote:
         yield remote
 
 

@@ -8,6 +8,7 @@ OpenAI-shaped 4xx errors while the server keeps serving."""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import openai
@@ -42,7 +43,8 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def server(switch_assets):
     args = ["--dtype", "float32", "--max-model-len", "256", "--enable-lora",
-            "--max-lora-rank", "8", "--lora-modules", f"runtime={switch_assets.runtime_adapter_dir}"]
+            "--max-lora-rank", "8", "--lora-modules", f"runtime={switch_assets.runtime_adapter_dir}",
+            "--allowed-lora-root", os.path.dirname(switch_assets.runtime_adapter_dir)]
     with RemoteOpenAIServer(switch_assets.switch_dir, args,
                             env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as remote:
         yield remote

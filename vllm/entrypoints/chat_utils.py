@@ -1,9 +1,11 @@
 """Rendering OpenAI-style chat messages into a prompt with the model's chat template.
 
 Shared by `LLM.chat` and the server. Message content may be a string or a list of
-OpenAI content parts (text parts are joined); roles are passed through unchanged,
-so custom roles (e.g. an intrinsic's role) reach the template. `documents`, `tools`
-and any `chat_template_kwargs` are handed to the template as variables.
+OpenAI content parts (text parts, whose `text` must be a string, are joined); the rendered
+prompt must be valid Unicode (a lone surrogate is a ValueError, not a tokenizer crash);
+roles are passed through unchanged, so custom roles (e.g. an intrinsic's role) reach the
+template. `documents`, `tools` and any `chat_template_kwargs` are handed to the template as
+variables.
 
 On a checkpoint with embedded adapters (Granite Switch), `chat_template_kwargs`'s
 `adapter_name` selects one: the checkpoint's own template places its control token, and
@@ -47,7 +49,11 @@ def _text_of(content: Any) -> Any:
             if isinstance(part, str):
                 parts.append(part)
             elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
-                parts.append(part.get("text", ""))
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise ValueError(f"A {part['type']!r} content part's 'text' must be a string, got "
+                                     f"{type(text).__name__}.")
+                parts.append(text)
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"Unsupported message content part {kind!r}: only text parts are supported.")
@@ -92,7 +98,7 @@ def apply_chat_template(
     conversation = normalize_messages(messages)
     kwargs = dict(chat_template_kwargs or {})
     try:
-        return tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             conversation,
             chat_template=template,
             tokenize=False,
@@ -106,3 +112,9 @@ def apply_chat_template(
         raise
     except Exception as e:  # jinja2 errors: the template rejected these messages
         raise ValueError(f"The chat template could not render these messages: {e}") from e
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate in a message, tool or document: no tokenizer encodes it
+        raise ValueError(f"The messages hold invalid text: lone surrogate {text[e.start]!r}; strings must be "
+                         "valid Unicode (UTF-8).") from None
+    return text

@@ -75,6 +75,9 @@ class LLM:
         """`priority` (lower runs earlier) needs scheduling_policy="priority"."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be a prompt (a string, {{'prompt': str}} or {{'prompt_token_ids': "
+                             f"list[int]}}) or a list of them, got {type(prompts).__name__} (decode bytes to str).")
         prompts = list(prompts)
         params = self._per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts),
                                   "sampling_params")

@@ -8,7 +8,9 @@ with the base model's tokenizer, `add_special_tokens=False`, and treat the ids
 exactly like `alora_invocation_tokens` (what the alora package does at training).
 What it refuses, with a message naming the adapter: other PEFT types, DoRA,
 `modules_to_save`, trained biases, `layers_to_transform`, `target_parameters`,
-trainable token indices.
+trainable token indices, and malformed fields (`r`, `lora_alpha`, `use_rslora`,
+`target_modules`, `rank_pattern`/`alpha_pattern` values and regex keys): a ValueError naming
+the adapter and the field, never another exception.
 """
 
 from __future__ import annotations
@@ -86,16 +88,48 @@ class PEFTHelper:
         target_modules = config.get("target_modules")
         if not target_modules:
             refuse("target_modules is empty")
+        if not isinstance(target_modules, str) and not (
+                isinstance(target_modules, list) and all(isinstance(m, str) for m in target_modules)):
+            refuse(f"target_modules must be a list of module names or a regex string, got {target_modules!r}")
+        lora_alpha = config.get("lora_alpha", r)
+        if not _is_number(lora_alpha):
+            refuse(f"lora_alpha must be a finite number, got {lora_alpha!r}")
+        use_rslora = config.get("use_rslora", False)
+        if not isinstance(use_rslora, bool):
+            refuse(f"use_rslora must be true or false, got {use_rslora!r}")
         return cls(
             name=name,
             r=r,
-            lora_alpha=float(config.get("lora_alpha", r)),
-            use_rslora=bool(config.get("use_rslora", False)),
+            lora_alpha=float(lora_alpha),
+            use_rslora=use_rslora,
             target_modules=target_modules,
-            rank_pattern=dict(config.get("rank_pattern") or {}),
-            alpha_pattern=dict(config.get("alpha_pattern") or {}),
+            rank_pattern=_pattern(refuse, "rank_pattern", config.get("rank_pattern"), positive_int=True),
+            alpha_pattern=_pattern(refuse, "alpha_pattern", config.get("alpha_pattern"), positive_int=False),
             invocation_tokens=_invocation_tokens(name, config, tokenize),
         )
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _pattern(refuse, field_name: str, value, positive_int: bool) -> dict:
+    """`rank_pattern` (module pattern -> rank >= 1) or `alpha_pattern` (-> finite number);
+    each key must compile, since it is matched as a regex."""
+    if not value:
+        return {}
+    if not isinstance(value, dict):
+        refuse(f"{field_name} must be an object mapping module patterns to values, got {value!r}")
+    for key, item in value.items():
+        ok = isinstance(item, int) and not isinstance(item, bool) and item >= 1 if positive_int else _is_number(item)
+        if not ok:
+            refuse(f"{field_name}[{key!r}] must be {'a positive integer' if positive_int else 'a finite number'}, "
+                   f"got {item!r}")
+        try:
+            re.compile(key)
+        except re.error as e:
+            refuse(f"{field_name} key {key!r} is not a valid regex ({e})")
+    return dict(value)
 
 
 def _invocation_tokens(name: str, config: dict, tokenize) -> Optional[tuple[int, ...]]:

@@ -1,19 +1,27 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over `AsyncLLM`, run by uvicorn.
 
 What it owns: the routes (GET /health /ping /version /v1/models /metrics, POST
-/v1/completions /v1/chat/completions /v1/responses, and /v1/load_lora_adapter /v1/unload_lora_adapter
-when VLLM_ALLOW_RUNTIME_LORA_UPDATING is set, as in vLLM), API-key enforcement on /v1
-routes, CORS, and the server's start-up and shutdown.
+/v1/completions /v1/chat/completions /v1/responses /tokenize /detokenize
+/reset_prefix_cache, and /v1/load_lora_adapter /v1/unload_lora_adapter when
+VLLM_ALLOW_RUNTIME_LORA_UPDATING is set, as in vLLM), the middleware stack, CORS, and the
+server's start-up and shutdown.
 
 Invariants:
 - Handlers only validate, submit and await: model steps run on the engine thread.
 - A client that goes away aborts its request: a stream's generator is cancelled by
   Starlette, and a non-streaming handler is raced against the connection's
   `http.disconnect` (what vLLM's `with_cancellation` does).
-- With API keys (`--api-key`, several allowed, or VLLM_API_KEY) every /v1 route needs
-  `Authorization: Bearer <one of them>`; /health, /ping, /version and /metrics stay open.
-- CORS headers are sent only when `--allowed-origins` is given (as in vLLM).
-- Shutdown joins the engine thread.
+- Middleware, outermost first: drain (`lifecycle`: 503 + Retry-After for every new request
+  once a SIGTERM/SIGINT arrived), API key (`guards`: with `--api-key` or VLLM_API_KEY every
+  route needs `Authorization: Bearer <key>` except /health, /ping, /version and /metrics;
+  /docs, /redoc and /openapi.json included, `--disable-fastapi-docs` removes them), body
+  limit (`guards`: 413 above `--max-request-body-bytes`, 32 MiB by default), CORS (only when
+  `--allowed-origins` is given, as in vLLM).
+- Runtime adapter loads read only under `--allowed-lora-root` (see `serving_models`).
+- Shutdown: on a signal, requests in flight may finish for `--shutdown-timeout` seconds
+  (default 0, as in vLLM), then are aborted with an error; the process exits 0. When the
+  engine dies, the server fails what is in flight and exits 1 within seconds. Either way
+  the engine thread is joined (bounded by `ENGINE_JOIN_TIMEOUT_S`).
 
 `python -m vllm.entrypoints.openai.api_server` runs the same server with the same flags as
 `vllm serve`.
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import secrets
+import os
 from typing import Any, Awaitable, Optional
 
 import uvicorn
@@ -32,14 +40,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm import envs
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.cli_args import check_parser_flags, engine_args_from, make_arg_parser
-from vllm.entrypoints.openai.errors import BadRequestError, ConflictError, error_response, install_error_handlers
+from vllm.entrypoints.openai.errors import BadRequestError, ConflictError, OpenAIRoute, install_error_handlers
+from vllm.entrypoints.openai.guards import APIKeyMiddleware, RequestBodyLimitMiddleware
+from vllm.entrypoints.openai.lifecycle import ABORT_GRACE_S, DrainMiddleware, DrainState, GracefulServer
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,6 +56,7 @@ from vllm.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
     parse_tokenize_request,
+    tokenize_openapi,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -61,25 +70,12 @@ from vllm.version import __version__
 
 logger = init_logger(__name__)
 
-router = APIRouter()
-lora_router = APIRouter()
+router = APIRouter(route_class=OpenAIRoute)
+lora_router = APIRouter(route_class=OpenAIRoute)
 
-
-class APIKeyMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware), so streaming and disconnects pass through untouched."""
-
-    def __init__(self, app: ASGIApp, api_keys: list[str]):
-        self.app = app
-        self.expected = [f"Bearer {key}".encode() for key in api_keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            # Compare with every key (no early exit), so timing does not tell which key nearly matched.
-            if not sum(secrets.compare_digest(given, key) for key in self.expected):
-                await error_response("Unauthorized", 401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+# The engine thread finishes its current step before it stops; a step never takes this long
+# unless it hangs, and then the (daemon) thread is left behind rather than hanging the exit.
+ENGINE_JOIN_TIMEOUT_S = 30.0
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -167,7 +163,7 @@ async def create_response(request: ResponsesRequest, raw_request: Request) -> Re
     return await _generate(raw_request, serving.create_response(request), request.stream)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=tokenize_openapi())
 async def tokenize(raw_request: Request) -> JSONResponse:
     request = parse_tokenize_request(await _json_body(raw_request))
     return JSONResponse(raw_request.app.state.serving_tokenization.tokenize(request))
@@ -203,21 +199,31 @@ async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Re
     return PlainTextResponse(await raw_request.app.state.models.unload_lora_adapter(request))
 
 
-def build_app(args: argparse.Namespace, engine: AsyncLLM, models: OpenAIServingModels, metrics: ServerMetrics,
-              api_keys: list[str], chat_template: Optional[str]) -> FastAPI:
-    app = FastAPI(title="vllm", version=__version__, root_path=args.root_path or "")
+def create_app(args: argparse.Namespace, api_keys: list[str], drain: DrainState) -> FastAPI:
+    """The routes and middleware, without the engine (`build_app` attaches it)."""
+    docs = {} if not args.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="vllm", version=__version__, root_path=args.root_path or "", **docs)
     app.include_router(router)
     if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
         logger.warning("Runtime LoRA updating is enabled (VLLM_ALLOW_RUNTIME_LORA_UPDATING): do not use this "
                        "in production.")
         app.include_router(lora_router)
     install_error_handlers(app)
+    # add_middleware puts each one outside the ones added before it.
     if args.allowed_origins is not None:
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
                            allow_credentials=args.allow_credentials, allow_methods=args.allowed_methods,
                            allow_headers=args.allowed_headers)
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    app.add_middleware(DrainMiddleware, state=drain)
+    return app
+
+
+def build_app(args: argparse.Namespace, engine: AsyncLLM, models: OpenAIServingModels, metrics: ServerMetrics,
+              api_keys: list[str], chat_template: Optional[str], drain: DrainState) -> FastAPI:
+    app = create_app(args, api_keys, drain)
     app.state.engine = engine
     app.state.models = models
     app.state.metrics = metrics
@@ -232,11 +238,25 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, models: OpenAIServingM
     return app
 
 
+def _allowed_lora_root(args: argparse.Namespace) -> Optional[str]:
+    """The real path of --allowed-lora-root (ValueError unless it is an existing folder)."""
+    if args.allowed_lora_root is None:
+        return None
+    root = os.path.realpath(args.allowed_lora_root)
+    if not os.path.isdir(root):
+        raise ValueError(f"--allowed-lora-root {args.allowed_lora_root!r} is not an existing folder.")
+    if not envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        logger.warning("--allowed-lora-root has no effect: runtime adapter loading needs "
+                       "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True.")
+    return root
+
+
 async def run_server(args: argparse.Namespace) -> None:
     check_parser_flags(args)  # fail before loading the model
     engine_args = engine_args_from(args)
     api_keys = list(args.api_key or ([envs.VLLM_API_KEY] if envs.VLLM_API_KEY else []))
     chat_template = load_chat_template(args.chat_template)  # fail before loading the model
+    lora_root = _allowed_lora_root(args)
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both to serve HTTPS.")
     served_names = engine_args.served_model_names()
@@ -246,9 +266,11 @@ async def run_server(args: argparse.Namespace) -> None:
     try:
         metrics.attach(engine.get_stats)
         models = OpenAIServingModels(engine, served_names, engine.model_config.model_dir,
-                                     engine.model_config.max_model_len, args.lora_modules)
+                                     engine.model_config.max_model_len, args.lora_modules,
+                                     allowed_lora_root=lora_root)
         await models.init_static_loras()
-        app = build_app(args, engine, models, metrics, api_keys, chat_template)
+        drain = DrainState()
+        app = build_app(args, engine, models, metrics, api_keys, chat_template, drain)
         if chat_template is None and not getattr(engine.tokenizer, "chat_template", None):
             logger.warning("The tokenizer has no chat template: /v1/chat/completions needs --chat-template.")
         host = args.host or "0.0.0.0"
@@ -258,14 +280,17 @@ async def run_server(args: argparse.Namespace) -> None:
             logger.info("Serving adapter %s", line)
         scheme = "https" if args.ssl_certfile else "http"
         logger.info("Listening on %s://%s:%d%s", scheme, host, args.port,
-                    " (API key required on /v1 routes)" if api_keys else "")
+                    " (API key required)" if api_keys else "")
         config = uvicorn.Config(app, host=host, port=args.port, log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log, ssl_keyfile=args.ssl_keyfile,
                                 ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                                ssl_cert_reqs=args.ssl_cert_reqs)
-        await uvicorn.Server(config).serve()
+                                ssl_cert_reqs=args.ssl_cert_reqs, timeout_graceful_shutdown=ABORT_GRACE_S)
+        server = GracefulServer(config, drain, engine, args.shutdown_timeout)
+        await server.serve()
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_JOIN_TIMEOUT_S)
+    if server.engine_died:
+        raise SystemExit("vllm serve: error: the engine died; the server stopped (see the log above).")
 
 
 def main() -> None:

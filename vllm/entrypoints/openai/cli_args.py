@@ -1,8 +1,9 @@
 """The `vllm serve` flags: the server's own (frontend) flags plus every `EngineArgs` flag.
 
 What it owns: flag names, defaults and parsing of frontend options (`--host`, `--port`,
-`--api-key`, TLS, request logging, `--lora-modules`, `--chat-template`, CORS, uvicorn),
-with vLLM's names.
+`--api-key`, TLS, request logging, `--lora-modules`, `--chat-template`, CORS, uvicorn,
+`--shutdown-timeout`, `--max-request-body-bytes`, `--allowed-lora-root`,
+`--disable-fastapi-docs`), with vLLM's names where vLLM has the option.
 Engine flags (including `--served-model-name`) come from `EngineArgs.add_cli_args`,
 never duplicated here.
 
@@ -16,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.arg_utils import EngineArgs, human_readable_int
 from vllm.entrypoints.openai.serving_models import LoRAModulePath, parse_lora_module
 from vllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from vllm.reasoning import supported_reasoning_parsers
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20  # far above any text request; bounds what one client makes us buffer
 
 
 class _LoRAModulesAction(argparse.Action):
@@ -45,6 +47,23 @@ def _json_list(value: str) -> list:
     return parsed
 
 
+def _non_negative_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not seconds >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {value!r}")
+    return seconds
+
+
+def _positive_size(value: str) -> int:
+    size = human_readable_int(value)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {value!r}")
+    return size
+
+
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help=f"The model to serve: a local folder or hub id (default: {EngineArgs.model}).")
@@ -56,7 +75,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     server.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                        help="Require one of these keys (Authorization: Bearer KEY) on every /v1 route. "
+                        help="Require one of these keys (Authorization: Bearer KEY) on every route except "
+                             "/health, /ping, /version and /metrics (the docs and /openapi.json included). "
                              "VLLM_API_KEY is used when the flag is not given.")
     server.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS with --ssl-certfile).")
     server.add_argument("--ssl-certfile", default=None, help="TLS certificate file.")
@@ -87,6 +107,21 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list).")
     server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
     server.add_argument("--root-path", default=None, help="ASGI root_path, when behind a path-based proxy.")
+    server.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="Serve no /docs, /redoc or /openapi.json.")
+    server.add_argument("--shutdown-timeout", type=_non_negative_seconds, default=0, metavar="SECONDS",
+                        help="On SIGTERM or SIGINT, new requests get 503 while requests in flight (streams included) "
+                             "may run this long; then those left are aborted with an error and the server exits 0. "
+                             "0 (the default, as in vLLM) aborts them at once. A second signal exits at once.")
+    server.add_argument("--max-request-body-bytes", type=_positive_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        metavar="BYTES",
+                        help="Largest request body accepted (413 above it, also for chunked bodies); "
+                             "human-readable sizes such as 32M (MiB) or 1m (10^6) work. Default: 32M.")
+    server.add_argument("--allowed-lora-root", default=None, metavar="DIR",
+                        help="The folder runtime adapter loads (/v1/load_lora_adapter, with "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING) may read from: an adapter path whose real path "
+                             "(symlinks and '..' resolved) is not inside it is refused. Without it runtime loads "
+                             "are refused; --lora-modules adapters are not restricted.")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="Parse tool calls out of chat answers (tool_choice 'auto'); needs --tool-call-parser.")
     server.add_argument("--tool-call-parser", default=None, metavar="NAME",

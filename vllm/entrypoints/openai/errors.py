@@ -9,16 +9,20 @@ Invariants:
   validation raises, so it maps to 400; FastAPI's 422 for schema errors becomes 400.
 - Only engine failures answer 5xx (500 for a failed step, 503 once the engine is dead);
   they are logged with their traceback. No handler lets an exception stop the server.
+- Routes use `OpenAIRoute`, which answers any exception of a handler itself: Starlette's
+  handler for bare `Exception` would answer too but then re-raise, which closes the
+  client's keep-alive connection and logs it as unhandled.
 """
 
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any, Optional
+from typing import Any, Callable, Coroutine, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm.engine.async_llm import EngineDeadError, EngineStepError
@@ -120,15 +124,37 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail: Any = exc.detail
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body" says not why
+            detail = f"The request body is not valid JSON: it must be UTF-8 ({exc.__cause__})."
         return error_response(detail if isinstance(detail, str) else str(detail), exc.status_code)
 
-    async def _known(request: Request, exc: Exception) -> JSONResponse:
-        status, message, param, err_type = classify(exc)
-        if status >= 500:
-            logger.error("%s %s failed: %s", request.method, request.url.path, message, exc_info=exc)
-        return error_response(message, status, param, err_type)
-
     # Specific classes are answered by Starlette's ExceptionMiddleware; a handler for
-    # bare Exception also answers (500) but Starlette re-raises it for the server's log.
+    # bare Exception (what escapes a route that is not an OpenAIRoute) also answers (500)
+    # but Starlette re-raises it for the server's log.
     for cls in (OpenAIServingError, ValueError, EngineDeadError, EngineStepError, Exception):
-        app.add_exception_handler(cls, _known)
+        app.add_exception_handler(cls, _answer)
+
+
+async def _answer(request: Request, exc: Exception) -> JSONResponse:
+    status, message, param, err_type = classify(exc)
+    if status >= 500:
+        logger.error("%s %s failed: %s", request.method, request.url.path, message, exc_info=exc)
+    return error_response(message, status, param, err_type)
+
+
+class OpenAIRoute(APIRoute):
+    """A route whose handler's exceptions become OpenAI-shaped answers right here, so none
+    reaches Starlette's server-error layer (FastAPI's own 4xx exceptions go on to their handlers)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def answered(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (StarletteHTTPException, RequestValidationError):
+                raise
+            except Exception as exc:
+                return await _answer(request, exc)
+
+        return answered

@@ -6,6 +6,8 @@ endpoints, and the rules that are about the request alone (not the model): e.g.
 `stream_options` needs `stream`, `top_logprobs` needs `logprobs`.
 
 Invariants:
+- Every string in a body (keys too) is valid Unicode: a lone surrogate (JSON `\\ud800`)
+  is a 400 naming where it is, before anything reaches a tokenizer.
 - Unknown top-level fields are accepted and ignored (clients send vendor extras such as
   `documents: []` or `"tools": null`); they are logged at debug level.
 - A field of the wrong type or out of range fails validation, which the server answers
@@ -15,9 +17,11 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
@@ -27,10 +31,43 @@ logger = init_logger(__name__)
 
 # The number of logprobs a request may ask for is checked by the engine (--max-logprobs).
 _INT64 = 2**63
+_MAX_BIAS = 100.0
+
+
+def invalid_text(value: Any, where: str = "") -> Optional[str]:
+    """Where `value` (a JSON body or any part of it) holds a string that is not valid
+    Unicode: JSON's `\\ud800` escapes decode to lone surrogates, which no tokenizer
+    can encode. None when every string (dict keys too) is fine."""
+    stack = [(where, value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if item.isascii():
+                continue
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return (f"{path or 'body'}: invalid text: lone surrogate {item[e.start]!r} at index {e.start}; "
+                        "strings must be valid Unicode (UTF-8).")
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((path, key))
+                stack.append((f"{path}.{key}" if path else str(key), child))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{path}.{i}" if path else str(i), child) for i, child in enumerate(item))
+    return None
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        problem = invalid_text(data)
+        if problem is not None:
+            raise ValueError(problem)
+        return data
 
     @model_validator(mode="after")
     def _log_ignored_fields(self):
@@ -147,13 +184,21 @@ class _SamplingRequest(OpenAIBaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                logit_bias=self.logit_bias,
+                logit_bias=_clamped(self.logit_bias),
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
                 structured_outputs=structured,
             )
         except (TypeError, OverflowError) as e:  # a value of a type SamplingParams cannot compare
             raise ValueError(f"Invalid sampling parameters: {e}") from e
+
+
+def _clamped(logit_bias: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+    """Biases clamped to OpenAI's [-100, 100], as vLLM does (a larger one would overflow the
+    logits to inf); non-finite ones are left for SamplingParams to refuse."""
+    if logit_bias is None:
+        return None
+    return {k: min(_MAX_BIAS, max(-_MAX_BIAS, v)) if math.isfinite(v) else v for k, v in logit_bias.items()}
 
 
 class CompletionRequest(_SamplingRequest):
@@ -286,10 +331,37 @@ class TokenizeChatRequest(OpenAIBaseModel):
 
 
 def parse_tokenize_request(body: Any) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
-    """/tokenize takes either form, told apart by `messages` (as vLLM does)."""
-    if isinstance(body, dict) and "messages" in body:
-        return TokenizeChatRequest.model_validate(body)
-    return TokenizeCompletionRequest.model_validate(body)
+    """/tokenize takes either form, told apart by `messages` (as vLLM does). Its errors are
+    raised as the routes' schema errors, so they read alike ("prompt: ...", 400)."""
+    model = TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A model's JSON schema with its `$defs` references replaced by the definitions (none
+    of these models is recursive), so it can sit anywhere in the OpenAPI document."""
+    defs = schema.get("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: resolve(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)
+
+
+def tokenize_openapi() -> dict[str, Any]:
+    """The OpenAPI request body of /tokenize, which reads its JSON by hand (either form)."""
+    schema = {"anyOf": [_inlined(TokenizeCompletionRequest.model_json_schema()),
+                        _inlined(TokenizeChatRequest.model_json_schema())]}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 class DetokenizeRequest(OpenAIBaseModel):

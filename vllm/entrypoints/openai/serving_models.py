@@ -17,6 +17,11 @@ Invariants:
 - `lora_int_id`s are handed out in increasing order and never reused, so a reloaded
   adapter never shares prefix-cache blocks with an older one of the same name.
 - Load and unload run one at a time (two concurrent loads of one name cannot both win).
+- A runtime load reads only inside `allowed_lora_root` (`--allowed-lora-root`): the
+  adapter path's real path (symlinks and `..` resolved) must lie inside the root's, and
+  that resolved path is what is loaded and registered, so a symlink swapped after the
+  check cannot redirect the read. Without a root every runtime load is a 400 naming the
+  flag. `--lora-modules` adapters (chosen by the operator) are not restricted.
 - The load/unload answers use vLLM's texts (mellea matches "has already been loaded.").
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -61,8 +67,10 @@ def parse_lora_module(value: str) -> LoRAModulePath:
 
 class OpenAIServingModels:
     def __init__(self, engine: AsyncLLM, base_model_names: Union[str, Sequence[str]], base_model_path: str,
-                 max_model_len: int, lora_modules: Optional[list[LoRAModulePath]] = None):
+                 max_model_len: int, lora_modules: Optional[list[LoRAModulePath]] = None,
+                 allowed_lora_root: Optional[str] = None):
         self.engine = engine
+        self.allowed_lora_root = os.path.realpath(allowed_lora_root) if allowed_lora_root is not None else None
         # Every alias (--served-model-name a b) is the base model; the first names it in responses.
         self.base_model_names = (base_model_names,) if isinstance(base_model_names, str) else tuple(base_model_names)
         self.base_model_name = self.base_model_names[0]
@@ -132,6 +140,7 @@ class OpenAIServingModels:
     async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
         if not request.lora_name or not request.lora_path:
             raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.", err_type="InvalidUserInput")
+        lora_path = self._allowed_path(request.lora_name, request.lora_path)
         async with self._lock:
             old = self.lora_requests.get(request.lora_name) if request.load_inplace else None
             if old is None and self._taken(request.lora_name):
@@ -139,7 +148,7 @@ class OpenAIServingModels:
                                       err_type="InvalidUserInput")
             # A reload gets a new lora_int_id: its KV blocks and slot are its own, and requests
             # already running keep the weights they were admitted with (they travel with them).
-            lora = LoRARequest(request.lora_name, next(self._next_id), request.lora_path,
+            lora = LoRARequest(request.lora_name, next(self._next_id), lora_path,
                                base_model_name=old.base_model_name if old else None)
             try:
                 await self.engine.add_lora(lora)
@@ -150,6 +159,18 @@ class OpenAIServingModels:
             if old is not None:
                 await self.engine.remove_lora(old.lora_int_id)
         return f"Success: LoRA adapter '{request.lora_name}' added successfully."
+
+    def _allowed_path(self, name: str, path: str) -> str:
+        """The real path of a runtime load's `lora_path`, if it lies inside the allowed root."""
+        if self.allowed_lora_root is None:
+            raise BadRequestError(f"Cannot load LoRA adapter '{name}': runtime adapter loading reads only under an "
+                                  "allowed folder; start the server with --allowed-lora-root DIR.",
+                                  param="lora_path")
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.allowed_lora_root]) != self.allowed_lora_root:
+            raise BadRequestError(f"Cannot load LoRA adapter '{name}': {path!r} (real path {real!r}) is not inside "
+                                  f"--allowed-lora-root {self.allowed_lora_root!r}.", param="lora_path")
+        return real
 
     async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
         if not request.lora_name:

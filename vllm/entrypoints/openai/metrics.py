@@ -11,12 +11,18 @@ What it owns: a private registry with
   (a fraction, 1.0 = full, as in vLLM), `vllm:prefix_cache_queries_total`,
   `vllm:prefix_cache_hits_total` (tokens), `vllm:num_preemptions_total`, and ours,
   `vllm:alora_reused_prompt_tokens_total`: prompt tokens of aLoRA requests served from
-  KV blocks the base model computed.
+  KV blocks the base model computed; `vllm:kv_cache_free_blocks` and
+  `vllm:kv_cache_total_blocks`: blocks no request references (cached prefix blocks
+  nobody holds count as free: they are evicted on demand) and all blocks, so an idle
+  server with free < total has leaked references;
+- the server process's own series (`process_resident_memory_bytes`,
+  `process_open_fds`, ...) from prometheus_client's process collector, so a soak run can
+  watch the server's memory through /metrics alone (empty where /proc is missing).
 
 Invariants: `record` and `record_abort` run only on the engine thread and only see DELTA
 outputs (what `AsyncLLM` produces), so each generated token is counted once; an aborted
 request counts as `finished_reason="abort"` and leaves no per-request state behind.
-Every series carries the `model_name` label.
+Every `vllm:` series carries the `model_name` label.
 """
 
 from __future__ import annotations
@@ -24,7 +30,14 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from vllm.engine.core import EngineStats
@@ -53,7 +66,8 @@ class _EngineStatsCollector:
             ("vllm:num_requests_running", "Number of requests running in the engine.", s.num_running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be scheduled.", s.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
-            ("vllm:kv_cache_free_blocks", "KV-cache blocks no request holds.", s.num_free_blocks),
+            ("vllm:kv_cache_free_blocks", "KV-cache blocks no request holds (unreferenced cached blocks included).",
+             s.num_free_blocks),
             ("vllm:kv_cache_total_blocks", "KV-cache blocks in all.", s.num_blocks),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -86,6 +100,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
+        # The private registry does not get the default process series; add them (vLLM's
+        # /metrics shows them too, from prometheus_client's global registry).
+        ProcessCollector(registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens produced.", labels, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests, by finish reason.",

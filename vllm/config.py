@@ -107,6 +107,8 @@ class LoRAConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int = 1
     enable_activated_lora: bool = False
+    # Dtype of adapter weights and of the adapter computation; None: the model's dtype.
+    lora_dtype: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)

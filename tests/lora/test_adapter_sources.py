@@ -40,10 +40,32 @@ def test_hub_id_adapter_is_downloaded_and_served(llama_dir, adapters, tokenizer,
     assert generate_one(llm, ids, None, GREEDY).outputs[0].token_ids  # still serving
 
 
-def test_lora_dtype_must_be_the_models(llama_dir):
-    LLM(llama_dir, max_model_len=64, enable_lora=True, dtype="float32", lora_dtype="float32")
-    with pytest.raises(ValueError, match="--lora-dtype bfloat16 is not supported.*float32"):
-        LLM(llama_dir, max_model_len=64, enable_lora=True, dtype="float32", lora_dtype="bfloat16")
+def test_lora_dtype_runs_adapters_in_that_dtype(llama_dir, adapters, tokenizer):
+    """--lora-dtype bfloat16 on an fp32 model: the slots hold bf16 weights, adapted tokens follow
+    the fp32 adapter closely, and base tokens are bit-for-bit the model's."""
+    import torch
+
+    ids = tokenizer.encode("one two three four five six")
+    lora = LoRARequest("all", 1, adapters["lora_all"])
+    outs = {}
+    for lora_dtype in ("auto", "bfloat16"):
+        llm = LLM(llama_dir, max_model_len=64, enable_lora=True, max_lora_rank=8, dtype="float32",
+                  lora_dtype=lora_dtype)
+        layers = llm.llm_engine.engine_core.runner.lora_manager.layers.values()
+        expected = torch.float32 if lora_dtype == "auto" else torch.bfloat16
+        assert all(a.dtype == expected for layer in layers for a in layer.lora_a + layer.lora_b)
+        outs[lora_dtype] = (generate_one(llm, ids, lora), generate_one(llm, ids, None))
+    (lora32, base32), (lora16, base16) = outs["auto"], outs["bfloat16"]
+    assert base16.outputs[0].token_ids == base32.outputs[0].token_ids
+    assert base16.outputs[0].cumulative_logprob == base32.outputs[0].cumulative_logprob
+    assert lora16.outputs[0].token_ids == lora32.outputs[0].token_ids
+    assert lora16.outputs[0].cumulative_logprob == pytest.approx(lora32.outputs[0].cumulative_logprob, abs=0.05)
+    assert lora16.outputs[0].cumulative_logprob != lora32.outputs[0].cumulative_logprob  # bf16 really ran
+
+
+def test_lora_dtype_must_be_a_float_dtype(llama_dir):
+    with pytest.raises(ValueError, match="--lora-dtype: Unknown dtype 'int8'"):
+        LLM(llama_dir, max_model_len=64, enable_lora=True, dtype="float32", lora_dtype="int8")
 
 
 def test_running_request_keeps_its_admitted_weights(llama_dir, adapters, tokenizer, tmp_path):

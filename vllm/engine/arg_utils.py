@@ -93,8 +93,8 @@ class EngineArgs:
     max_loras: int = field(default=1, metadata=_help("Adapters resident in one batch."))
     max_lora_rank: int = field(default=16, metadata=_help("Largest adapter rank accepted."))
     lora_dtype: str = field(default="auto", metadata=_help(
-        "Dtype of adapter weights: auto (the model's) or the model's own dtype; adapters always run in the "
-        "model's dtype here."))
+        "Dtype of adapter weights and of their computation: auto (the model's), bfloat16, float16 or float32. "
+        "The adapters' contribution is added to the base output in the model's dtype."))
     max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Adapters cached in host memory (>= max_loras)."))
     enforce_eager: bool = field(default=False, metadata=_help(
         "Accepted for vLLM compatibility; every step runs eagerly (CUDA graphs are not implemented yet)."))
@@ -223,17 +223,20 @@ class EngineArgs:
             )
         return self.max_model_len
 
-    def _check_lora_dtype(self, model_dtype) -> None:
+    def _resolve_lora_dtype(self, model_dtype):
         if self.lora_dtype in (None, "auto"):
-            return
-        if resolve_dtype(self.lora_dtype, current_platform(self.device)) != model_dtype:
-            raise ValueError(
-                f"--lora-dtype {self.lora_dtype} is not supported: adapters run in the model's dtype "
-                f"({str(model_dtype).removeprefix('torch.')}). Use auto or the model's dtype."
-            )
+            return model_dtype
+        try:
+            dtype = resolve_dtype(self.lora_dtype, current_platform(self.device))
+        except ValueError as e:
+            raise ValueError(f"--lora-dtype: {e}") from e
+        if not dtype.is_floating_point:
+            raise ValueError(f"--lora-dtype must be a floating-point dtype (auto, bfloat16, float16, float32), "
+                             f"got {self.lora_dtype!r}.")
+        return dtype
 
     def _lora_config(self, model_dtype) -> Optional[LoRAConfig]:
-        self._check_lora_dtype(model_dtype)
+        lora_dtype = self._resolve_lora_dtype(model_dtype)
         if not self.enable_lora:
             if self.enable_activated_lora:
                 raise ValueError("--enable-activated-lora requires --enable-lora.")
@@ -247,6 +250,7 @@ class EngineArgs:
             max_lora_rank=self._positive("max_lora_rank", self.max_lora_rank),
             max_cpu_loras=max_cpu_loras,
             enable_activated_lora=self.enable_activated_lora,
+            lora_dtype=lora_dtype,
         )
 
     @staticmethod

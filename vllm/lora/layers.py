@@ -14,6 +14,10 @@ which matters on the CPU where per-op cost dominates small decode batches.
 
 The layer knows nothing of requests or aLoRA: the shared punica wrapper says which
 slot each token uses, and -1 tokens keep exactly the base output.
+
+The slots may hold another dtype than the base layer (`--lora-dtype`): then the op runs on
+a copy of x in that dtype into a zeroed buffer, added to the base output in its dtype, so
+the kernels always see one dtype.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from vllm.platforms import use_triton_kernels
 
 
 class LinearWithLoRA(nn.Module):
-    def __init__(self, base_layer: nn.Module, max_loras: int, max_rank: int, punica: PunicaWrapper):
+    def __init__(self, base_layer: nn.Module, max_loras: int, max_rank: int, punica: PunicaWrapper,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.base_layer = base_layer
         self.punica = punica
         weight = base_layer.weight
+        self.lora_dtype = dtype or weight.dtype
         self.input_size = base_layer.input_size
         self.output_sizes = tuple(base_layer.output_sizes)
         self.max_rank = max_rank
@@ -44,11 +50,11 @@ class LinearWithLoRA(nn.Module):
         rank_width = max_rank * len(self.output_sizes) if self.stacked else max_rank
         b_sizes = [sum(self.output_sizes)] if self.stacked else list(self.output_sizes)
         self.lora_a = [
-            torch.zeros(max_loras, rank_width, self.input_size, dtype=weight.dtype, device=weight.device)
+            torch.zeros(max_loras, rank_width, self.input_size, dtype=self.lora_dtype, device=weight.device)
             for _ in range(num_a)
         ]
         self.lora_b = [
-            torch.zeros(max_loras, size, rank_width, dtype=weight.dtype, device=weight.device) for size in b_sizes
+            torch.zeros(max_loras, size, rank_width, dtype=self.lora_dtype, device=weight.device) for size in b_sizes
         ]
         self._op_slices = tuple(b_sizes)
 
@@ -82,5 +88,11 @@ class LinearWithLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)  # [num_tokens, sum(output_sizes)]
-        self.punica.add_lora(y, x, self.lora_a, self.lora_b, self._op_slices)
-        return y
+        if self.lora_dtype == y.dtype:
+            self.punica.add_lora(y, x, self.lora_a, self.lora_b, self._op_slices)
+            return y
+        if not self.punica.meta.has_lora:
+            return y
+        delta = torch.zeros(y.shape, dtype=self.lora_dtype, device=y.device)
+        self.punica.add_lora(delta, x.to(self.lora_dtype), self.lora_a, self.lora_b, self._op_slices)
+        return y.add_(delta.to(y.dtype))

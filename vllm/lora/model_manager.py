@@ -127,6 +127,7 @@ class LoRAModelManager:
         max_rank = max(lora_config.max_lora_rank if lora_config is not None else 0,
                        getattr(model, "embedded_max_rank", 0))
         self.punica = PunicaWrapper(max_num_tokens, device)
+        lora_dtype = (lora_config.lora_dtype if lora_config is not None else None) or dtype
         self.layers: dict[str, LinearWithLoRA] = {}
         specs: dict[str, ModuleSpec] = {}
         packed = dict(getattr(model, "packed_modules_mapping", {}))
@@ -136,7 +137,8 @@ class LoRAModelManager:
             slices = tuple(packed.get(leaf, ())) or _DEFAULT_SLICES.get(leaf)
             if slices is None or not hasattr(module, "output_sizes"):
                 continue
-            wrapped = LinearWithLoRA(module, self.num_embedded + self.max_loras, max_rank, self.punica)
+            wrapped = LinearWithLoRA(module, self.num_embedded + self.max_loras, max_rank, self.punica,
+                                     dtype=lora_dtype)
             model.set_submodule(name, wrapped)
             self.layers[name] = wrapped
             specs[name] = ModuleSpec(module.input_size, tuple(module.output_sizes), slices, tuple(
@@ -148,7 +150,7 @@ class LoRAModelManager:
         for slot, weights in enumerate(embedded):
             for name, layer in self.layers.items():
                 layer.set_lora(slot, weights.get(name))
-        self.adapters = AdapterCache(lora_config, specs, dtype, tokenizer_dir) if lora_config is not None else None
+        self.adapters = AdapterCache(lora_config, specs, lora_dtype, tokenizer_dir) if lora_config is not None else None
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self._slot_fingerprints: dict[int, bytes] = {}  # lora_int_id -> fingerprint of the weights in its slot
 

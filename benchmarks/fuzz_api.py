@@ -87,12 +87,19 @@ def openai_error_problem(body: bytes, status: int) -> Optional[str]:
     return None
 
 
+# The Responses API's terminal events (its streams carry `event:` lines and no [DONE], as OpenAI's).
+_RESPONSES_ENDS = ("response.completed", "response.incomplete", "error")
+_SERVER_ERROR_TYPES = ("InternalServerError", "ServiceUnavailableError")
+
+
 def sse_problem(body: bytes) -> Optional[str]:
     """What is wrong with a server-sent-event stream, or None. An error event is fine when
     it is a shaped 4xx (a request can fail after its first byte); a 5xx event is not."""
     data = [line[len(b"data: "):] for line in body.splitlines() if line.startswith(b"data: ")]
     if not data:
         return "stream without data events"
+    if any(line.startswith(b"event: ") for line in body.splitlines()):
+        return _responses_stream_problem(data)
     if data[-1].strip() != b"[DONE]":
         return "stream does not end with [DONE]"
     for event in data[:-1]:
@@ -108,6 +115,21 @@ def sse_problem(body: bytes) -> Optional[str]:
             problem = openai_error_problem(event, code)
             if problem:
                 return f"error event: {problem}"
+    return None
+
+
+def _responses_stream_problem(data: list[bytes]) -> Optional[str]:
+    """A Responses stream: JSON events, the last one terminal, no server-error event."""
+    try:
+        events = [json.loads(event) for event in data]
+    except ValueError as e:
+        return f"event is not JSON ({e})"
+    last = events[-1].get("type") if isinstance(events[-1], dict) else None
+    if last not in _RESPONSES_ENDS:
+        return f"Responses stream ends with {last!r}, not one of {', '.join(_RESPONSES_ENDS)}"
+    errors = [e for e in events if isinstance(e, dict) and e.get("type") == "error"]
+    if any(e.get("code") in _SERVER_ERROR_TYPES or not e.get("message") for e in errors):
+        return f"Responses error event: {errors[0]}"
     return None
 
 

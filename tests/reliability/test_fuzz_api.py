@@ -125,6 +125,12 @@ def test_openai_error_shape(body, problem):
     (b"data: {oops\n\ndata: [DONE]\n\n", "not JSON"),
     (b'data: {"error": {"message": "m", "type": "t", "param": null, "code": 500}}\n\ndata: [DONE]\n\n', "500"),
     (b"", "without data"),
+    # The Responses API ends with a terminal event and sends no [DONE], as OpenAI's.
+    (b'event: response.created\ndata: {"type": "response.created"}\n\n'
+     b'event: response.completed\ndata: {"type": "response.completed"}\n\n', None),
+    (b'event: response.created\ndata: {"type": "response.created"}\n\n', "response.created"),
+    (b'event: error\ndata: {"type": "error", "code": "BadRequestError", "message": "m"}\n\n', None),
+    (b'event: error\ndata: {"type": "error", "code": "InternalServerError", "message": "m"}\n\n', "error event"),
 ])
 def test_sse_checks(body, problem):
     found = sse_problem(body)

@@ -54,6 +54,16 @@ def _store_kv_kernel(
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+def store_kv_launch(num_kv_heads: int, head_size: int) -> dict:
+    """Constexprs and launch options of _store_kv_kernel: the one table store_kv and
+    benchmarks/triton_aot.py both use."""
+    return dict(
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_size),
+        num_warps=4,
+    )
+
+
 def check_slot_layout(kv_cache: torch.Tensor) -> None:
     """The kernels address the cache by flat slot; that needs blocks laid out back to back."""
     _, _, block_size, _, head_size = kv_cache.shape
@@ -91,7 +101,5 @@ def store_kv(
         kv_cache.stride(0),
         kv_cache.stride(2),
         kv_cache.stride(3),
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_size),
-        num_warps=4,
+        **store_kv_launch(num_kv_heads, head_size),
     )

@@ -32,6 +32,7 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)  # a constexpr so the kernels may read it
+MAX_DECODE_SPLITS = 16  # default_num_splits picks a power of two up to this
 
 
 @triton.jit
@@ -279,7 +280,48 @@ def default_num_splits(num_decodes: int, num_kv_heads: int, device: torch.device
         return 1
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     splits = triton.cdiv(target, max(1, num_decodes * num_kv_heads))
-    return min(16, triton.next_power_of_2(splits))
+    return min(MAX_DECODE_SPLITS, triton.next_power_of_2(splits))
+
+
+def decode_launch(head_size: int, group: int, num_splits: int, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options of _decode_kernel: the one table paged_decode and
+    benchmarks/triton_aot.py both use, so the AOT check compiles what is launched.
+
+    BLOCK_N=32 with 8 warps: every K/V element carries its own 64-bit address, and the
+    former 64-key tiles on 4 warps needed over 255 registers per thread and spilled on
+    sm_80 and sm_90 at head size 128 (found by benchmarks/triton_aot.py)."""
+    block_d = max(16, triton.next_power_of_2(head_size))
+    return dict(
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=32,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(dtype),
+        num_warps=8,
+        num_stages=2,
+    )
+
+
+def decode_reduce_launch(head_size: int, num_splits: int) -> dict:
+    """Constexprs and launch options of _decode_reduce_kernel (only run when num_splits > 1)."""
+    return dict(BLOCK_D=max(16, triton.next_power_of_2(head_size)), NUM_SPLITS=num_splits, num_warps=4)
+
+
+def prefill_launch(head_size: int, group: int, dtype: torch.dtype, block_m: int = 64) -> dict:
+    """Constexprs and launch options of _prefill_kernel (BLOCK_Q query tokens x BLOCK_G heads
+    = about block_m rows per program); BLOCK_N and num_warps as in decode_launch, for the
+    same reason (spills at 64-key tiles on 4 warps)."""
+    block_g = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_size))
+    return dict(
+        BLOCK_Q=max(1, block_m // block_g),
+        BLOCK_G=block_g,
+        BLOCK_N=32,
+        BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(dtype),
+        num_warps=8,
+        num_stages=2,
+    )
 
 
 def paged_decode(
@@ -300,8 +342,6 @@ def paged_decode(
         num_splits = default_num_splits(num_decodes, num_kv_heads, query.device)
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}.")
-    block_d = max(16, triton.next_power_of_2(head_size))
-    block_n = 64 if block_d <= 128 else 32
     if num_splits > 1:
         part_acc = torch.empty(num_decodes, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(2, num_decodes, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -312,18 +352,12 @@ def paged_decode(
         query, kv_cache, block_table, seq_lens, out, part_acc, part_ml,
         scale * _LOG2E, num_heads, group, head_size, block_size,
         *strides, block_table.stride(0), part_ml.stride(0),
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
-        DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        **decode_launch(head_size, group, num_splits, query.dtype),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             out, part_acc, part_ml, num_heads, head_size, out.stride(0), out.stride(1), part_ml.stride(0),
-            BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4,
+            **decode_reduce_launch(head_size, num_splits),
         )
 
 
@@ -345,20 +379,12 @@ def paged_prefill(
     num_heads, head_size = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    block_g = triton.next_power_of_2(group)
-    block_q = max(1, block_m // block_g)
-    block_d = max(16, triton.next_power_of_2(head_size))
+    launch = prefill_launch(head_size, group, query.dtype, block_m)
     strides = _common_args(query, out, kv_cache)
-    grid = (num_prefills, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    grid = (num_prefills, triton.cdiv(max_query_len, launch["BLOCK_Q"]), num_kv_heads)
     _prefill_kernel[grid](
         query, kv_cache, block_table, seq_lens, query_start_loc, out,
         first_seq, scale * _LOG2E, group, head_size, block_size,
         *strides, block_table.stride(0),
-        BLOCK_Q=block_q,
-        BLOCK_G=block_g,
-        BLOCK_N=64 if block_d <= 128 else 32,
-        BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        **launch,
     )

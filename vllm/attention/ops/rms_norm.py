@@ -51,6 +51,13 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rms_norm_launch(hidden: int, has_residual: bool) -> dict:
+    """Constexprs and launch options of _rms_norm_kernel: the one table rms_norm and
+    benchmarks/triton_aot.py both use."""
+    block = triton.next_power_of_2(hidden)
+    return dict(BLOCK=block, HAS_RESIDUAL=has_residual, num_warps=min(16, max(1, block // 256)))
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
@@ -64,7 +71,6 @@ def rms_norm(
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out if residual is None else (out, x)
-    block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(num_tokens,)](
         x,
         residual if residual is not None else x,
@@ -75,8 +81,6 @@ def rms_norm(
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
-        BLOCK=block,
-        HAS_RESIDUAL=residual is not None,
-        num_warps=min(16, max(1, block // 256)),
+        **rms_norm_launch(hidden, residual is not None),
     )
     return out if residual is None else (out, x)

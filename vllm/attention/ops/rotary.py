@@ -70,6 +70,17 @@ def _rotary_kernel(
                   num_kv_heads, half, c, s, BLOCK_KH, BLOCK_HALF)
 
 
+def rotary_launch(num_heads: int, num_kv_heads: int, head_size: int) -> dict:
+    """Constexprs and launch options of _rotary_kernel: the one table rotary_embedding and
+    benchmarks/triton_aot.py both use."""
+    return dict(
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_size // 2),
+        num_warps=4,
+    )
+
+
 def rotary_embedding(
     positions: torch.Tensor,  # [num_tokens]
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
@@ -92,9 +103,6 @@ def rotary_embedding(
         num_heads, num_kv_heads, half,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_cache.stride(0),
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4,
+        **rotary_launch(num_heads, num_kv_heads, head_size),
     )
     return q_out, k_out

@@ -35,6 +35,7 @@ from vllm.lora.punica import LoRAKernelMeta
 
 # Above this many tokens, grouping by adapter (SGMV) beats per-row BGMV.
 BGMV_MAX_TOKENS = 64
+MAX_SPLIT_K = 16  # _split_k picks a power of two up to this
 
 
 @triton.jit
@@ -238,7 +239,35 @@ def _split_k(num_programs: int, in_features: int, block_k: int, device: torch.de
         return 1
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     split = triton.next_power_of_2(triton.cdiv(target, max(1, num_programs)))
-    return max(1, min(split, 16, triton.cdiv(in_features, block_k)))
+    return max(1, min(split, MAX_SPLIT_K, triton.cdiv(in_features, block_k)))
+
+
+def _block_r(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))
+
+
+def sgmv_shrink_launch(rank: int, split_k: int, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options of _sgmv_shrink_kernel. This and the three below are
+    the one table the launchers and benchmarks/triton_aot.py both use."""
+    return dict(BLOCK_M=32, BLOCK_R=_block_r(rank), BLOCK_K=64, SPLIT_K=split_k,
+                DOT_PRECISION=_dot_precision(dtype), num_warps=4)
+
+
+def sgmv_expand_launch(rank: int, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options of _sgmv_expand_kernel (BLOCK_M must match the shrink's)."""
+    return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_R=_block_r(rank), DOT_PRECISION=_dot_precision(dtype), num_warps=4)
+
+
+def bgmv_shrink_launch(rank: int, split_k: int) -> dict:
+    """Constexprs and launch options of _bgmv_shrink_kernel."""
+    block_r = _block_r(rank)
+    block_k = max(32, min(256, 4096 // block_r))  # ~4K fp32 accumulators per program
+    return dict(BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4)
+
+
+def bgmv_expand_launch(rank: int) -> dict:
+    """Constexprs and launch options of _bgmv_expand_kernel."""
+    return dict(BLOCK_N=64, BLOCK_R=_block_r(rank), num_warps=4)
 
 
 def use_sgmv(meta: LoRAKernelMeta, x: torch.Tensor) -> bool:
@@ -253,26 +282,25 @@ def _sgmv(y, x, a, b, col_offset, meta, split_k):
     num_segments = meta.seg_slots.shape[0]
     rank, in_features = a.shape[1], a.shape[2]
     n_out = b.shape[1]
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_m, block_k, block_n = 32, 64, 64
+    expand = sgmv_expand_launch(rank, b.dtype)
+    block_m = expand["BLOCK_M"]
     num_rows = meta.sorted_token_ids.shape[0]
     m_tiles = triton.cdiv(meta.max_seg_len, block_m)
     if split_k is None:
-        split_k = _split_k(num_segments * m_tiles, in_features, block_k, x.device)
+        split_k = _split_k(num_segments * m_tiles, in_features, sgmv_shrink_launch(rank, 1, x.dtype)["BLOCK_K"], x.device)
+    shrink = sgmv_shrink_launch(rank, split_k, x.dtype)
     alloc = torch.zeros if split_k > 1 else torch.empty
     h = alloc(num_rows, rank, dtype=torch.float32, device=x.device)
     seg = (meta.sorted_token_ids, meta.seg_slots, meta.seg_starts, meta.seg_lens)
     _sgmv_shrink_kernel[(num_segments, m_tiles, split_k)](
         x, a, h, *seg, in_features, rank,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), h.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=4,
+        **shrink,
     )
-    _sgmv_expand_kernel[(num_segments, m_tiles, triton.cdiv(n_out, block_n))](
+    _sgmv_expand_kernel[(num_segments, m_tiles, triton.cdiv(n_out, expand["BLOCK_N"]))](
         h, b, y, *seg, n_out, rank, col_offset,
         h.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION=_dot_precision(b.dtype), num_warps=4,
+        **expand,
     )
 
 
@@ -281,22 +309,20 @@ def _bgmv(y, x, a, b, col_offset, meta, split_k):
     num_rows = mapping.shape[0]
     rank, in_features = a.shape[1], a.shape[2]
     n_out = b.shape[1]
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_k = max(32, min(256, 4096 // block_r))  # ~4K fp32 accumulators per program
-    block_n = 64
     if split_k is None:
-        split_k = _split_k(num_rows, in_features, block_k, x.device)
+        split_k = _split_k(num_rows, in_features, bgmv_shrink_launch(rank, 1)["BLOCK_K"], x.device)
+    expand = bgmv_expand_launch(rank)
     alloc = torch.zeros if split_k > 1 else torch.empty
     h = alloc(num_rows, rank, dtype=torch.float32, device=x.device)
     _bgmv_shrink_kernel[(num_rows, split_k)](
         x, a, h, mapping, in_features, rank,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), h.stride(0),
-        BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
+        **bgmv_shrink_launch(rank, split_k),
     )
-    _bgmv_expand_kernel[(num_rows, triton.cdiv(n_out, block_n))](
+    _bgmv_expand_kernel[(num_rows, triton.cdiv(n_out, expand["BLOCK_N"]))](
         h, b, y, mapping, n_out, rank, col_offset,
         h.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1),
-        BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4,
+        **expand,
     )
 
 

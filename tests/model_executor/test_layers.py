@@ -50,7 +50,8 @@ def test_legacy_rope_scaling_style():
     assert params["rope_type"] == "linear" and params["rope_theta"] == 50000.0
     assert torch.equal(compute_inv_freq(16, params), compute_inv_freq(16, ROPES["linear"]))
     plain = types.SimpleNamespace(rope_theta=1234.0, rope_scaling=None, max_position_embeddings=256)
-    assert rope_parameters(plain) == {"rope_type": "default", "rope_theta": 1234.0}
+    assert rope_parameters(plain) == {"rope_type": "default", "rope_theta": 1234.0, "partial_rotary_factor": 1.0,
+                                      "max_position_embeddings": 256}
     llama3 = dict(ROPES["llama3"])
     del llama3["original_max_position_embeddings"]
     defaulted = rope_parameters(types.SimpleNamespace(rope_parameters=llama3, max_position_embeddings=256))
@@ -58,8 +59,8 @@ def test_legacy_rope_scaling_style():
 
 
 def test_unsupported_rope_type_is_refused():
-    with pytest.raises(ValueError, match="yarn.*not supported.*default, linear, llama3"):
-        compute_inv_freq(16, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match="'ntk' is not supported.*default, linear, dynamic, yarn, longrope, llama3"):
+        compute_inv_freq(16, {"rope_type": "ntk", "rope_theta": 1e4, "factor": 2.0})
 
 
 def test_rotary_matches_hf_apply_at_arbitrary_positions():

@@ -16,11 +16,16 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     GraniteConfig,
+    GraniteMoeConfig,
     GraniteMoeHybridConfig,
+    GraniteMoeSharedConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from tests.utils.tokenizer import save_tokenizer
@@ -36,7 +41,8 @@ TINY_SHAPE = dict(
     rms_norm_eps=1e-6,
 )
 
-ARCHITECTURES = ("llama", "llama3_tied", "mistral", "granite", "granite4", "granite4_nope", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "llama3_tied", "mistral", "granite", "granite4", "granite4_nope", "qwen2", "qwen3",
+                 "mixtral", "qwen3_moe", "granitemoe", "granitemoe_shared", "phi3")
 
 
 def _config(arch: str, vocab_size: int, eos: int):
@@ -66,6 +72,32 @@ def _config(arch: str, vocab_size: int, eos: int):
         return Qwen2Config(**TINY_SHAPE, **ids, tie_word_embeddings=False)
     if arch == "qwen3":
         return Qwen3Config(**TINY_SHAPE, **ids, head_dim=32, tie_word_embeddings=False)
+    # Mixture of experts, top-2 of 4: every routing variant (Mixtral renormalises the top-k
+    # softmax, Qwen3-MoE without norm_topk_prob does not, GraniteMoe softmaxes the top-k logits)
+    # and a Qwen3-MoE dense layer (mlp_only_layers) next to a sparse one.
+    if arch == "mixtral":
+        return MixtralConfig(**TINY_SHAPE, **ids, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**TINY_SHAPE, **ids, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+                              tie_word_embeddings=False)
+    if arch == "granitemoe":
+        return GraniteMoeConfig(**TINY_SHAPE, **ids, num_local_experts=4, num_experts_per_tok=2,
+                                embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                                logits_scaling=0.5, tie_word_embeddings=True)
+    if arch == "granitemoe_shared":
+        return GraniteMoeSharedConfig(**TINY_SHAPE, **ids, num_local_experts=4, num_experts_per_tok=2,
+                                      shared_intermediate_size=96, embedding_multiplier=2.0,
+                                      attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=0.5)
+    if arch == "phi3":
+        # Phi-4-mini shape: longrope with an original context (64) that every test sequence
+        # stays within (past it transformers re-rotates whole sequences, see
+        # vllm/model_executor/layers/rotary.py; tests/model_executor/test_phi3.py covers it),
+        # 3/4 of each head rotated (6 frequencies), tied embeddings, fused qkv / gate_up tensors.
+        longrope = {"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+                    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
+        return Phi3Config(**TINY_SHAPE, **ids, original_max_position_embeddings=64, partial_rotary_factor=0.75,
+                          rope_scaling=longrope, sliding_window=None, tie_word_embeddings=True)
     raise ValueError(f"unknown test architecture {arch!r}; known: {ARCHITECTURES}")
 
 

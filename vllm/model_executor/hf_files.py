@@ -167,4 +167,11 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
+        # A config transformers cannot read is usually a remote-code architecture (e.g.
+        # Phi3SmallForCausalLM): name it and what is supported rather than transformers' error.
+        from vllm.model_executor.models import get_model_class
+
+        architectures = raw.get("architectures") or []
+        if architectures:
+            get_model_class(architectures[0])  # raises for an unsupported one
         raise ValueError(f"Could not read the model config in {model_dir!r}: {e}") from e

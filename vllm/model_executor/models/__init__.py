@@ -12,10 +12,14 @@ from torch import nn
 
 from vllm.model_executor.models.granite import GraniteForCausalLM
 from vllm.model_executor.models.granite_switch import GraniteSwitchForCausalLM
+from vllm.model_executor.models.granitemoe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from vllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM, MistralForCausalLM
+from vllm.model_executor.models.mixtral import MixtralForCausalLM
+from vllm.model_executor.models.phi3 import Phi3ForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -28,6 +32,12 @@ _MODELS: dict[str, type[nn.Module]] = {
     "ShadowResidualForCausalLM": GraniteSwitchForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    # Mixture of experts (vllm/model_executor/layers/fused_moe.py).
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
 }
 
 

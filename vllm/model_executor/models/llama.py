@@ -17,7 +17,7 @@ order and dtype as HF's `residual + hidden_states`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,9 @@ class DecoderOptions:
     logits_scaling: float = 1.0  # logits are divided by it
     rope: bool = True  # False: no positional encoding in attention (NoPE)
     intermediate_size: Optional[int] = None  # None: the config's intermediate_size
+    # (config, options, layer_index, dtype, device) -> that layer's MLP (e.g. mixture of
+    # experts); None: LlamaMLP everywhere.
+    mlp_factory: Optional[Callable[..., nn.Module]] = None
 
 
 def head_size_of(config: Any) -> int:
@@ -133,11 +136,15 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: Optional[RotaryEmbedding],
         dtype: torch.dtype,
         device: torch.device,
+        layer_index: int = 0,
     ):
         super().__init__()
         self.residual_multiplier = options.residual_multiplier
         self.self_attn = LlamaAttention(config, options, rotary_emb, dtype, device)
-        self.mlp = LlamaMLP(config, options, dtype, device)
+        if options.mlp_factory is not None:
+            self.mlp = options.mlp_factory(config, options, layer_index, dtype, device)
+        else:
+            self.mlp = LlamaMLP(config, options, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -176,7 +183,8 @@ class LlamaModel(nn.Module):
                 head_size_of(config), config.max_position_embeddings, rope_parameters(config), dtype, device
             )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, rotary_emb, dtype, device) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, options, rotary_emb, dtype, device, layer_index=i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 

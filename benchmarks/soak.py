@@ -233,6 +233,7 @@ async def soak(args, url: str, adapter_root: str) -> dict:
     run["adapter_loads"] = churn.loads if churn else 0
     run["adapter_unloads"] = churn.unloads if churn else 0
     run["adapter_errors"] = churn.errors[:10] if churn else []
+    run["alora_skipped"] = traffic.alora_skipped
     run.update(evaluate(run, before, warm_idle, end_idle, args.memory_tolerance))
     run["series"] = series
     return run
@@ -257,7 +258,8 @@ def report(run: dict, args, load: dict) -> None:
         ("adapter unloads", "adapter_unloads"), ("KV blocks free/total", "kv_blocks"),
         ("leaked KV blocks", "leaked_blocks"), ("RSS after warm-up MiB", "rss_warm_mib"),
         ("RSS after run MiB", "rss_end_mib"), ("aLoRA reused prompt tokens", "alora_reused_prompt_tokens"),
-        ("server aborts", "server_aborts"), ("preemptions", "preemptions"))]
+        ("server aborts", "server_aborts"), ("preemptions", "preemptions"),
+        ("aLoRA follow-ups skipped (no room)", "alora_skipped"))]
     print_table(f"Soak: {args.clients} clients, {run['seconds']}s (after {args.warmup:.0f}s warm-up), "
                 f"{run['requests']} requests", rows, ("figure", "value"))
     print("\nper kind: " + ", ".join(f"{k} {v}" for k, v in run["by_kind"].items()))

@@ -114,6 +114,7 @@ class Traffic:
         self.cancel_fraction = cancel_fraction
         self.seed = seed
         self.outcomes: list[Outcome] = []
+        self.alora_skipped = 0  # aLoRA follow-ups not sent: no room left under max_model_len
         self.tokens_per_word = 1.5  # refined by `calibrate`
         self._ttfts: list[float] = []  # recent TTFTs: how long a pre-first-token cut may wait
 
@@ -202,7 +203,10 @@ class Traffic:
         count = await self.count(conversation)
         second = min(second, self.target.max_model_len - count)
         if second < 1:
-            raise RequestFailed(f"aLoRA prompt of {count} tokens leaves no room under max_model_len")
+            # The base answer re-tokenised longer than it was generated (text does not round-trip
+            # token for token), so no aLoRA request fits: the client's budget, not a server fault.
+            self.alora_skipped += 1
+            return
         await self.send(rng, "alora", "/v1/completions", self._completion_body(name, conversation, second, 1),
                         count, second, 1)
 

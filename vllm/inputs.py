@@ -6,7 +6,7 @@ A prompt is a string, a `TextPrompt` ({"prompt": str}) or a `TokensPrompt`
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 from typing_extensions import NotRequired, TypedDict
 
@@ -23,3 +23,15 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = Union[str, TextPrompt, TokensPrompt]
+
+
+def lone_surrogate(text: str) -> Optional[str]:
+    """Where `text` holds a lone surrogate (JSON's `\\ud800` escapes decode to them; no
+    tokenizer can encode one), as words for an error message; None for valid Unicode."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"lone surrogate {text[e.start]!r} at index {e.start}"
+    return None

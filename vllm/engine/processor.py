@@ -15,7 +15,7 @@ from vllm import fault_injection
 from vllm.config import VllmConfig
 from vllm.core.kv_cache_utils import make_block_hasher
 from vllm.core.request import Request
-from vllm.inputs import PromptType
+from vllm.inputs import PromptType, lone_surrogate
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
@@ -65,11 +65,9 @@ class Processor:
         )
 
     def _encode(self, text: str) -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate: the tokenizer would fail with a TypeError
-            raise ValueError(f"The prompt holds invalid text: lone surrogate {text[e.start]!r} at index {e.start}; "
-                             "prompts must be valid Unicode (UTF-8).") from None
+        problem = lone_surrogate(text)  # the tokenizer would fail on it with a TypeError
+        if problem is not None:
+            raise ValueError(f"The prompt holds invalid text: {problem}; prompts must be valid Unicode (UTF-8).")
         return self.tokenizer.encode(text)
 
     def make_request(

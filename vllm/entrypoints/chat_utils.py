@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from vllm.inputs import lone_surrogate
+
 
 def check_adapter_name(model_config: Any, chat_template_kwargs: Optional[dict]) -> None:
     """ValueError if `adapter_name` names no adapter of a checkpoint with embedded adapters."""
@@ -112,9 +114,7 @@ def apply_chat_template(
         raise
     except Exception as e:  # jinja2 errors: the template rejected these messages
         raise ValueError(f"The chat template could not render these messages: {e}") from e
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate in a message, tool or document: no tokenizer encodes it
-        raise ValueError(f"The messages hold invalid text: lone surrogate {text[e.start]!r}; strings must be "
-                         "valid Unicode (UTF-8).") from None
+    problem = lone_surrogate(text)  # in a message, tool or document: no tokenizer encodes it
+    if problem is not None:
+        raise ValueError(f"The messages hold invalid text: {problem}; strings must be valid Unicode (UTF-8).")
     return text

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from vllm.inputs import lone_surrogate
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.structured_output import structured_outputs_from_request
@@ -42,13 +43,9 @@ def invalid_text(value: Any, where: str = "") -> Optional[str]:
     while stack:
         path, item = stack.pop()
         if isinstance(item, str):
-            if item.isascii():
-                continue
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as e:
-                return (f"{path or 'body'}: invalid text: lone surrogate {item[e.start]!r} at index {e.start}; "
-                        "strings must be valid Unicode (UTF-8).")
+            problem = lone_surrogate(item)
+            if problem is not None:
+                return f"{path or 'body'}: invalid text: {problem}; strings must be valid Unicode (UTF-8)."
         elif isinstance(item, dict):
             for key, child in item.items():
                 stack.append((path, key))

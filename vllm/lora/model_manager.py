@@ -151,8 +151,8 @@ class LoRAModelManager:
             for name, layer in self.layers.items():
                 layer.set_lora(slot, weights.get(name))
         self.adapters = AdapterCache(lora_config, specs, lora_dtype, tokenizer_dir) if lora_config is not None else None
-        self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
-        self._slot_fingerprints: dict[int, bytes] = {}  # lora_int_id -> fingerprint of the weights in its slot
+        # lora_int_id -> (slot, fingerprint of the weights in it), least recently used first.
+        self._slots: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
 
     def activate(self, adapters: list[tuple[Optional[LoRARequest], Optional[LoRAModel]]]) -> dict[int, int]:
         """Make the step's adapters resident; returns lora_int_id -> slot. Each entry is a
@@ -168,28 +168,25 @@ class LoRAModelManager:
             raise AssertionError(f"{len(needed)} adapters in one step exceed max_loras={self.max_loras}")
         for lora_int_id, (request, weights) in needed.items():
             adapter = weights if weights is not None else self.adapters.get(request)
-            slot = self._slots.get(lora_int_id)
-            if slot is not None and self._slot_fingerprints.get(lora_int_id) == adapter.fingerprint:
+            held = self._slots.get(lora_int_id)
+            if held is not None and held[1] == adapter.fingerprint:
                 self._slots.move_to_end(lora_int_id)
                 continue
-            if slot is None:
-                slot = self._free_slot(needed)
+            slot = held[0] if held is not None else self._free_slot(needed)
             for name, layer in self.layers.items():
                 layer.set_lora(slot, adapter.layers.get(name))
-            self._slots[lora_int_id] = slot
+            self._slots[lora_int_id] = (slot, adapter.fingerprint)
             self._slots.move_to_end(lora_int_id)
-            self._slot_fingerprints[lora_int_id] = adapter.fingerprint
-        return {lora_int_id: self._slots[lora_int_id] for lora_int_id in needed}
+        return {lora_int_id: self._slots[lora_int_id][0] for lora_int_id in needed}
 
     def _free_slot(self, needed: dict) -> int:
-        used = set(self._slots.values())
+        used = {slot for slot, _ in self._slots.values()}
         for slot in range(self.num_embedded, self.num_embedded + self.max_loras):
             if slot not in used:
                 return slot
-        for lora_int_id, slot in self._slots.items():
+        for lora_int_id, (slot, _) in self._slots.items():
             if lora_int_id not in needed:
                 del self._slots[lora_int_id]
-                self._slot_fingerprints.pop(lora_int_id, None)
                 return slot
         raise AssertionError("no LoRA slot can be freed")
 
@@ -197,6 +194,5 @@ class LoRAModelManager:
         """Forget an adapter (runtime unload): its slot and host copy. Requests already
         admitted with it finish with the weights they carry."""
         self._slots.pop(lora_int_id, None)
-        self._slot_fingerprints.pop(lora_int_id, None)
         if self.adapters is not None:
             self.adapters.remove(lora_int_id)

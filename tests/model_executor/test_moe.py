@@ -66,7 +66,6 @@ def test_missing_expert_is_named(checkpoints, tmp_path):
     ("scoring_func", "sigmoid", "scoring_func='sigmoid' is not supported"),
     ("n_group", 8, "n_group=8 is not supported"),
     ("hidden_act", "gelu", "hidden_act='gelu'"),
-    ("sliding_window", 16, "sliding-window"),
 ])
 def test_unsupported_config_option_is_refused(field, value, match, checkpoints, tmp_path):
     path = str(tmp_path / "m")

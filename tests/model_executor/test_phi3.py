@@ -42,6 +42,10 @@ VARIANTS = {
     "phi4_mini": dict(tie_word_embeddings=True, partial_rotary_factor=0.75,
                       rope_scaling={"type": "longrope", "short_factor": _factors(6, 0.3),
                                     "long_factor": _factors(6, 2.0)}),
+    # Phi-3-mini-4k shape: a sliding window for every layer (2047 of 4096 there).
+    "phi3_window": dict(tie_word_embeddings=False, sliding_window=11,
+                        rope_scaling={"type": "longrope", "short_factor": _factors(8, 0.2),
+                                      "long_factor": _factors(8, 3.0)}),
 }
 
 
@@ -51,7 +55,7 @@ def make_phi3(path: str, variant: str) -> str:
     eos = tok.eos_token_id
     config = Phi3Config(**{**TINY_SHAPE, "max_position_embeddings": 128}, original_max_position_embeddings=ORIGINAL,
                         vocab_size=len(tok), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                        sliding_window=None, **VARIANTS[variant])
+                        **{"sliding_window": None, **VARIANTS[variant]})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     GenerationConfig(eos_token_id=eos, bos_token_id=eos, pad_token_id=eos).save_pretrained(path)
@@ -125,7 +129,6 @@ def test_peft_lora_and_alora_on_fused_modules_match_peft(phi3_dirs, tmp_path, to
     ("phi3", {"architectures": ["Phi3SmallForCausalLM"], "model_type": "phi3small"},
      "Phi3SmallForCausalLM is not supported. Supported: .*Phi3For"),
     ("phi3", {"architectures": ["NoSuchForCausalLM"]}, "NoSuchForCausalLM is not supported. Supported: "),
-    ("phi3", {"sliding_window": 16}, "sliding-window attention"),
     # Phi3Config itself only accepts longrope; a Llama config passes any type on to us.
     ("llama", {"rope_scaling": {"type": "ntk-by-parts", "factor": 2.0}},
      "RoPE type 'ntk-by-parts' is not supported. Supported: default, linear, dynamic, yarn, longrope, llama3"),

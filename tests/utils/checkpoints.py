@@ -41,8 +41,12 @@ TINY_SHAPE = dict(
     rms_norm_eps=1e-6,
 )
 
-ARCHITECTURES = ("llama", "llama3_tied", "mistral", "granite", "granite4", "granite4_nope", "qwen2", "qwen3",
-                 "mixtral", "qwen3_moe", "granitemoe", "granitemoe_shared", "phi3")
+ARCHITECTURES = ("llama", "llama3_tied", "mistral", "mistral_window", "granite", "granite4", "granite4_nope", "qwen2",
+                 "qwen2_window", "qwen3", "mixtral", "qwen3_moe", "granitemoe", "granitemoe_shared", "phi3")
+
+# Windows shorter than most test prompts, and not a multiple of any block size used, so
+# sequences run past them inside a block and across chunk boundaries.
+TEST_WINDOW = 11
 
 
 def _config(arch: str, vocab_size: int, eos: int):
@@ -55,6 +59,8 @@ def _config(arch: str, vocab_size: int, eos: int):
         return LlamaConfig(**TINY_SHAPE, **ids, tie_word_embeddings=True, rope_scaling=rope, rope_theta=500000.0)
     if arch == "mistral":
         return MistralConfig(**TINY_SHAPE, **ids, sliding_window=None, head_dim=16)
+    if arch == "mistral_window":  # Mistral-7B-v0.1: one window for every layer
+        return MistralConfig(**TINY_SHAPE, **ids, sliding_window=TEST_WINDOW, head_dim=16)
     if arch == "granite":
         return GraniteConfig(**TINY_SHAPE, **ids, embedding_multiplier=2.0, attention_multiplier=0.2,
                              residual_multiplier=0.5, logits_scaling=0.5, tie_word_embeddings=True)
@@ -70,6 +76,9 @@ def _config(arch: str, vocab_size: int, eos: int):
         )
     if arch == "qwen2":
         return Qwen2Config(**TINY_SHAPE, **ids, tie_word_embeddings=False)
+    if arch == "qwen2_window":  # use_sliding_window: layers from max_window_layers on slide
+        return Qwen2Config(**TINY_SHAPE, **ids, use_sliding_window=True, sliding_window=TEST_WINDOW,
+                           max_window_layers=1, tie_word_embeddings=False)
     if arch == "qwen3":
         return Qwen3Config(**TINY_SHAPE, **ids, head_dim=32, tie_word_embeddings=False)
     # Mixture of experts, top-2 of 4: every routing variant (Mixtral renormalises the top-k

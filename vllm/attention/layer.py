@@ -14,6 +14,7 @@ from torch import nn
 
 from vllm.attention.backends import torch_ref
 from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.variant import PLAIN, AttentionVariant
 from vllm.platforms import use_native_cpu_attention, use_triton_kernels
 
 
@@ -30,7 +31,8 @@ def _select_ops(device: torch.device):
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, device: torch.device):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, device: torch.device,
+                 variant: AttentionVariant = PLAIN):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
@@ -38,6 +40,7 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.variant = variant
         self._store_kv, self._attend = _select_ops(device)
 
     def forward(
@@ -53,7 +56,7 @@ class Attention(nn.Module):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         self._store_kv(k, v, kv_cache, meta.slot_mapping[:n])
-        out = self._attend(q, k, v, kv_cache, meta, self.scale)
+        out = self._attend(q, k, v, kv_cache, meta, self.scale, self.variant)
         if n == query.shape[0]:
             return out.view(n, -1)
         # CUDA-graph padding rows: keep the buffer shape, leave pad rows at zero.

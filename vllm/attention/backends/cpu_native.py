@@ -35,6 +35,7 @@ import vllm
 from vllm import envs
 from vllm.attention.backends import torch_ref
 from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.variant import AttentionVariant
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -119,7 +120,9 @@ def paged_attention_rows(out: torch.Tensor, query: torch.Tensor, kv_cache: torch
 
 
 def _short_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float) -> int:
+                     scale: float, variant: AttentionVariant) -> int:
+    if not variant.is_plain:  # the kernel computes plain causal attention only
+        return torch_ref.decode_attention(out, query, kv_cache, meta, scale, variant)
     paged_attention_rows(out, query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, MAX_QUERY_LEN,
                          scale)
     return MAX_QUERY_LEN

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.variant import PLAIN, AttentionVariant
 from vllm.attention.ops import kv_store
 from vllm.attention.ops.paged_attention import paged_decode, paged_prefill
 
@@ -34,7 +35,10 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     meta: AttentionMetadata,
     scale: float,
+    variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    if not variant.is_plain:
+        raise NotImplementedError("The Triton attention kernels do not implement sliding windows, soft caps or sinks.")
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")

@@ -25,6 +25,7 @@ from torch import nn
 
 from vllm.attention.layer import Attention
 from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.variant import AttentionVariant
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
@@ -53,19 +54,20 @@ def head_size_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def check_no_sliding_window(config: Any) -> None:
-    """Sliding-window attention is not implemented: refuse configs that use it rather
-    than silently attending to the whole context."""
+def sliding_window_of_layer(config: Any, layer_index: int) -> Optional[int]:
+    """The layer's attention window, as transformers reads the config: `layer_types` names
+    each layer "sliding_attention" or "full_attention" when present (Gemma, Qwen2/3 with
+    `use_sliding_window`, gpt-oss); otherwise `sliding_window` holds for every layer
+    (Mistral v0.1, Phi-3-mini-4k). None: the layer sees the whole context."""
     window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
     layer_types = getattr(config, "layer_types", None)
-    # Qwen2/3 keep `sliding_window` in the config but only "sliding_attention" layers use it.
-    uses_window = layer_types is None or "sliding_attention" in layer_types
-    if window is not None and uses_window and window < config.max_position_embeddings:
-        raise ValueError(
-            f"{config.architectures[0] if getattr(config, 'architectures', None) else 'This model'} uses "
-            f"sliding-window attention (sliding_window={window} < max_position_embeddings="
-            f"{config.max_position_embeddings}), which this engine does not support."
-        )
+    if layer_types is not None:
+        return window if layer_types[layer_index] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
 
 
 class LlamaMLP(nn.Module):
@@ -90,6 +92,7 @@ class LlamaAttention(nn.Module):
         rotary_emb: Optional[RotaryEmbedding],
         dtype: torch.dtype,
         device: torch.device,
+        layer_index: int = 0,
     ):
         super().__init__()
         hidden = config.hidden_size
@@ -106,7 +109,8 @@ class LlamaAttention(nn.Module):
         self.qk_norm = options.qk_norm
         self.rotary_emb = rotary_emb  # shared by all layers; None: NoPE
         scale = options.attention_scale if options.attention_scale is not None else self.head_size**-0.5
-        self.attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads, device)
+        variant = AttentionVariant(sliding_window=sliding_window_of_layer(config, layer_index))
+        self.attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads, device, variant)
 
     def forward(
         self,
@@ -140,7 +144,7 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         self.residual_multiplier = options.residual_multiplier
-        self.self_attn = LlamaAttention(config, options, rotary_emb, dtype, device)
+        self.self_attn = LlamaAttention(config, options, rotary_emb, dtype, device, layer_index)
         if options.mlp_factory is not None:
             self.mlp = options.mlp_factory(config, options, layer_index, dtype, device)
         else:
@@ -210,7 +214,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        check_no_sliding_window(hf_config)
         self.config = hf_config
         options = self.decoder_options(hf_config)
         self.logits_scaling = options.logits_scaling
@@ -251,5 +254,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama without biases; its sliding window is refused by
-    `check_no_sliding_window` when it is shorter than the context."""
+    """Mistral is Llama without biases; v0.1's 4096-position sliding window holds for every
+    layer (`sliding_window_of_layer`)."""

@@ -5,7 +5,7 @@ mixture of experts: softmax over `num_local_experts` router scores, top
 Checkpoint names: `block_sparse_moe.gate` (router) and `block_sparse_moe.experts.N.w1`
 (gate), `w3` (up), `w2` (down); transformers 5 calls the block `mlp` and may store the
 experts fused (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). Both load.
-A sliding window shorter than the context is refused (`check_no_sliding_window`).
+A sliding window (Mixtral-8x7B-v0.1's config declares none) holds for every layer.
 """
 
 from __future__ import annotations

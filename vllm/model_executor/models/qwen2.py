@@ -1,6 +1,7 @@
 """Qwen2: the Llama decoder with biases on q, k and v (never on o_proj or the MLP).
 
-Sliding-window layers (`use_sliding_window`) are refused by `check_no_sliding_window`.
+Sliding-window layers (`use_sliding_window`: layers from `max_window_layers` on, as
+`layer_types` lists them) get their window from the common decoder.
 """
 
 from __future__ import annotations

@@ -111,25 +111,26 @@ def test_linear_loads_fused_slices():
         layer.weight_loader(layer.weight, torch.randn(2, 8), 3)
 
 
-def test_sliding_window_is_refused():
-    config = MistralConfig(**SMALL, sliding_window=16, architectures=["MistralForCausalLM"])
-    with pytest.raises(ValueError, match="sliding-window attention.*sliding_window=16"):
-        MistralForCausalLM(config, torch.float32, CPU)
-    # A window at least as long as the context is plain causal attention.
-    MistralForCausalLM(MistralConfig(**SMALL, sliding_window=256), torch.float32, CPU)
+def _windows(model) -> list:
+    return [layer.self_attn.attn.variant.sliding_window for layer in model.model.layers]
+
+
+def test_sliding_window_per_layer_as_transformers_reads_the_config():
+    layers = SMALL.get("num_hidden_layers", 1)
+    model = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=16), torch.float32, CPU)
+    assert _windows(model) == [16] * layers  # Mistral v0.1: every layer
     # Qwen2 configs may keep sliding_window while no layer is a "sliding_attention" one.
     qwen2 = Qwen2Config(**SMALL, use_sliding_window=False)
     qwen2.sliding_window = 16
-    get_model_class("Qwen2ForCausalLM")(qwen2, torch.float32, CPU)
-    qwen2 = Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0)
-    assert "sliding_attention" in qwen2.layer_types
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        get_model_class("Qwen2ForCausalLM")(qwen2, torch.float32, CPU)
+    assert _windows(get_model_class("Qwen2ForCausalLM")(qwen2, torch.float32, CPU)) == [None] * layers
+    qwen2 = Qwen2Config(**{**SMALL, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=16,
+                        max_window_layers=1)
+    assert _windows(get_model_class("Qwen2ForCausalLM")(qwen2, torch.float32, CPU)) == [None, 16, 16]
 
 
 def test_unknown_activation_and_architecture_are_refused():
-    with pytest.raises(ValueError, match="Only the 'silu' activation"):
-        LlamaForCausalLM(LlamaConfig(**SMALL, hidden_act="gelu"), torch.float32, CPU)
+    with pytest.raises(ValueError, match="MLP activation 'relu2' is not supported. Supported: silu, swish, gelu"):
+        LlamaForCausalLM(LlamaConfig(**SMALL, hidden_act="relu2"), torch.float32, CPU)
     with pytest.raises(ValueError, match="Model architecture GPT2LMHeadModel is not supported. Supported: .*Granite"):
         get_model_class("GPT2LMHeadModel")
 

@@ -17,6 +17,7 @@ order and dtype as HF's `residual + hidden_states`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -27,7 +28,7 @@ from vllm.attention.layer import Attention
 from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.variant import AttentionVariant
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.linear import Linear, default_weight_loader
 from vllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from vllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from vllm.model_executor.weight_mapping import load_checkpoint_weights
@@ -39,6 +40,11 @@ class DecoderOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    qk_norm_full_width: bool = False  # RMSNorm over all of q and all of k instead (OLMoE, OLMo 2)
+    clip_qkv: Optional[float] = None  # q, k, v clamped to [-clip_qkv, clip_qkv] after any q/k norm (OLMoE)
+    attn_soft_cap: Optional[float] = None  # attention logit soft-capping (Gemma 2)
+    attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss), `self_attn.sinks`
+    hidden_act: Optional[str] = None  # None: the config's hidden_act (or hidden_activation)
     attention_scale: Optional[float] = None  # None: head_size ** -0.5
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0  # scales each block's output before the residual add
@@ -70,18 +76,34 @@ def sliding_window_of_layer(config: Any, layer_index: int) -> Optional[int]:
     return window
 
 
+# Gated-MLP activations by their HF config names (`hidden_act` / `hidden_activation`).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),  # Gemma's GeGLU
+    "gelu_new": partial(F.gelu, approximate="tanh"),
+}
+
+
+def activation_of(config: Any, options: DecoderOptions) -> Callable[[torch.Tensor], torch.Tensor]:
+    name = options.hidden_act or getattr(config, "hidden_activation", None) or config.hidden_act
+    if name not in ACTIVATIONS:
+        raise ValueError(f"MLP activation {name!r} is not supported. Supported: {', '.join(ACTIVATIONS)}.")
+    return ACTIVATIONS[name]
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, options: DecoderOptions, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"Only the 'silu' activation is supported, the config has {config.hidden_act!r}.")
+        self.act = activation_of(config, options)
         hidden, inter = config.hidden_size, options.intermediate_size or config.intermediate_size
         self.gate_up_proj = Linear(hidden, [inter, inter], options.mlp_bias, dtype, device)
         self.down_proj = Linear(inter, [hidden], options.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 class LlamaAttention(nn.Module):
@@ -103,13 +125,21 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_size
         self.qkv_proj = Linear(hidden, [self.q_size, self.kv_size, self.kv_size], options.qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, [hidden], options.o_bias, dtype, device)
-        if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype, device)
-        self.qk_norm = options.qk_norm
-        self.rotary_emb = rotary_emb  # shared by all layers; None: NoPE
+        self.qk_norm = options.qk_norm or options.qk_norm_full_width
+        if self.qk_norm:
+            q_width, k_width = (self.q_size, self.kv_size) if options.qk_norm_full_width else (self.head_size,) * 2
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype, device)
+        self.clip_qkv = options.clip_qkv
+        self.rotary_emb = rotary_emb  # None: NoPE
         scale = options.attention_scale if options.attention_scale is not None else self.head_size**-0.5
-        variant = AttentionVariant(sliding_window=sliding_window_of_layer(config, layer_index))
+        sinks = None
+        if options.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=dtype, device=device), requires_grad=False)
+            self.sinks.weight_loader = default_weight_loader
+            sinks = self.sinks
+        variant = AttentionVariant(sliding_window=sliding_window_of_layer(config, layer_index),
+                                   soft_cap=options.attn_soft_cap, sinks=sinks)
         self.attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads, device, variant)
 
     def forward(
@@ -122,13 +152,16 @@ class LlamaAttention(nn.Module):
         n = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_size)  # [num_tokens, num_heads, head_size]
-        k = k.view(n, self.num_kv_heads, self.head_size)  # [num_tokens, num_kv_heads, head_size]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm:  # per head or full width, as the norm was built
+            q = self.q_norm(q.reshape(n, -1, self.q_norm.hidden_size))
+            k = self.k_norm(k.reshape(n, -1, self.k_norm.hidden_size))
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(n, self.num_heads, self.head_size)  # [num_tokens, num_heads, head_size]
+        k = k.reshape(n, self.num_kv_heads, self.head_size)  # [num_tokens, num_kv_heads, head_size]
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.view(n, -1), k.view(n, -1), v, kv_cache, attn_metadata)  # [num_tokens, q_size]
+        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, kv_cache, attn_metadata)  # [num_tokens, q_size]
         return self.o_proj(out)
 
 

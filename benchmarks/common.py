@@ -104,7 +104,7 @@ def measured_matmul_flops(shapes: list[tuple[int, int]], num_tokens: int, dtype:
     from vllm.model_executor.layers.linear import onednn_linear, pack_onednn_weight
     from vllm.platforms import use_onednn_linear
 
-    use_onednn = use_onednn_linear(torch.device(device))
+    use_onednn = use_onednn_linear(torch.device(device), dtype)
     total_flops, total_time = 0.0, 0.0
     for n_in, n_out in shapes:
         x = torch.randn(num_tokens, n_in, dtype=dtype, device=device)

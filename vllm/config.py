@@ -114,6 +114,7 @@ class LoRAConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: torch.device
+    cpu_threads: Optional[int] = None  # CPU backend: torch's intra-op threads; None on CUDA
 
 
 @dataclass(frozen=True, eq=False)

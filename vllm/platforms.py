@@ -8,6 +8,7 @@ torch reference ops everywhere else, except where a CPU op has a native or oneDN
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,7 +20,8 @@ from vllm import envs
 @dataclass(frozen=True)
 class Platform:
     device_type: str  # "cuda" | "cpu"
-    default_dtype: torch.dtype
+    default_dtype: torch.dtype  # what dtype="auto" gives for an fp32 checkpoint or an unknown one
+    native_bf16: bool = True  # bf16 arithmetic in hardware (CPU: AVX512-BF16 or AMX)
 
     @property
     def is_cuda(self) -> bool:
@@ -27,6 +29,30 @@ class Platform:
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)
+
+    def auto_dtype(self, checkpoint_dtype: Optional[torch.dtype]) -> torch.dtype:
+        """dtype="auto": on CUDA bf16; on a CPU with native bf16 the checkpoint's half
+        precision as bf16 (fp16 runs as bf16, as vLLM's CPU backend does), else fp32."""
+        if self.is_cuda:
+            return self.default_dtype
+        if self.native_bf16 and checkpoint_dtype in (torch.bfloat16, torch.float16):
+            return torch.bfloat16
+        return torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX tiles: without them bf16 matmuls are emulated and slower than fp32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def default_cpu_threads() -> int:
+    """The cores this process may run on (its affinity mask, which taskset and container
+    cpusets narrow), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # platforms without affinity masks
+        return os.cpu_count() or 1
 
 
 def current_platform(device: Optional[str] = None) -> Platform:
@@ -38,7 +64,7 @@ def current_platform(device: Optional[str] = None) -> Platform:
             raise ValueError("device='cuda' was requested but no CUDA device is available; use device='cpu'.")
         return Platform("cuda", torch.bfloat16)
     if device == "cpu":
-        return Platform("cpu", torch.float32)
+        return Platform("cpu", torch.float32, native_bf16=cpu_has_native_bf16())
     raise ValueError(f"Unknown device {device!r}; allowed: 'auto', 'cpu', 'cuda'.")
 
 
@@ -48,11 +74,16 @@ def use_triton_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def use_onednn_linear(device: torch.device) -> bool:
+def use_onednn_linear(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
     """CPU linears run on oneDNN with weights pre-packed into its blocked layout (about
     2x faster than MKL's sgemm on the small-M shapes of decoding); F.linear stays the
-    reference path."""
+    reference path. oneDNN packs half-precision weights only where the CPU supports them
+    (bf16: AVX512-BW/VL/DQ or AVX-NE-CONVERT; fp16: AVX512-FP16 or AVX-NE-CONVERT); elsewhere
+    those dtypes stay on F.linear rather than fail at load."""
     if device.type != "cpu" or envs.VLLM_USE_TORCH_REFERENCE_OPS or not torch.backends.mkldnn.is_available():
+        return False
+    half_supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+    if dtype in half_supported and not getattr(torch.ops.mkldnn, half_supported[dtype])():
         return False
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -81,11 +112,12 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype, platform: Platform) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, platform: Platform,
+                  checkpoint_dtype: Optional[torch.dtype] = None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return platform.default_dtype
+        return platform.auto_dtype(checkpoint_dtype)
     if dtype not in _DTYPES:
         raise ValueError(f"Unknown dtype {dtype!r}; allowed: 'auto', {', '.join(repr(k) for k in _DTYPES)}.")
     return _DTYPES[dtype]

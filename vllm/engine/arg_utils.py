@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
+import torch
+
 from vllm import envs
 from vllm.config import (
     CacheConfig,
@@ -22,8 +24,11 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.entrypoints.chat_utils import load_chat_template
-from vllm.platforms import current_platform, resolve_dtype
+from vllm.logger import init_logger
+from vllm.platforms import current_platform, default_cpu_threads, resolve_dtype
 from vllm.sampling_defaults import load_sampling_defaults, parse_json_object
+
+logger = init_logger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -53,8 +58,9 @@ class EngineArgs:
         "JSON object of values that replace fields of the model's HF config, e.g. '{\"max_position_embeddings\": "
         "4096}'. Offline also a dict, or a function that takes and returns the config."))
     trust_remote_code: bool = field(default=False, metadata=_help("Trust remote code from the hub."))
-    dtype: str = field(default="auto", metadata=_help("Weights and activations dtype: auto (fp32 on CPU, bf16 on GPU), "
-                                                      "float32, bfloat16, float16."))
+    dtype: str = field(default="auto", metadata=_help(
+        "Weights and activations dtype: auto (GPU: bf16; CPU: bf16 for a bf16/fp16 checkpoint when the CPU has "
+        "native bf16, AVX512-BF16 or AMX, else fp32), float32, bfloat16, float16."))
     seed: int = field(default=0, metadata=_help("Random seed of the engine."))
     max_model_len: Optional[int] = field(default=None, metadata=_help(
         "Maximum prompt plus output length (default: the model's max_position_embeddings)."))
@@ -63,6 +69,8 @@ class EngineArgs:
         "The model name(s) in the API (default: the model argument). With several, the first is the name "
         "responses report and every one is accepted in requests."))
     device: str = field(default="auto", metadata=_help("auto, cpu or cuda."))
+    cpu_threads: Optional[int] = field(default=None, metadata=_help(
+        "Threads of the CPU backend's matmuls and attention (default: the cores this process may use)."))
     block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block."))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
@@ -129,7 +137,7 @@ class EngineArgs:
                                                                      self.override_generation_config))
         model_config = ModelConfig(
             model=self.model, model_dir=model_dir, tokenizer_dir=tokenizer_dir, hf_config=hf_config,
-            architecture=architectures[0], dtype=resolve_dtype(self.dtype, platform), max_model_len=max_model_len,
+            architecture=architectures[0], dtype=self._dtype(platform, hf_config), max_model_len=max_model_len,
             seed=self.seed, load_format=self.load_format, served_model_names=self.served_model_names(),
             trust_remote_code=self.trust_remote_code, sampling_defaults=sampling_defaults,
             chat_template=chat_template, tokenizer_mode=tokenizer_mode,
@@ -162,9 +170,28 @@ class EngineArgs:
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
-            device_config=DeviceConfig(platform.device()),
+            device_config=DeviceConfig(platform.device(), cpu_threads=self._cpu_threads(platform)),
             lora_config=self._lora_config(model_config.dtype),
         )
+
+    def _dtype(self, platform, hf_config):
+        stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        checkpoint_dtype = getattr(torch, stored, None) if isinstance(stored, str) else stored
+        dtype = resolve_dtype(self.dtype, platform, checkpoint_dtype)
+        if self.dtype == "auto" and not platform.is_cuda:
+            why = ("this CPU has native bf16" if dtype == torch.bfloat16 else
+                   "the checkpoint is not bf16/fp16" if platform.native_bf16 else
+                   "this CPU has no native bf16 (AVX512-BF16 or AMX)")
+            logger.info("dtype=auto on CPU: %s (checkpoint dtype %s; %s).", str(dtype).removeprefix("torch."),
+                        str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else "unknown", why)
+        return dtype
+
+    def _cpu_threads(self, platform) -> Optional[int]:
+        if platform.is_cuda:
+            return None
+        if self.cpu_threads is None:
+            return default_cpu_threads()
+        return self._positive("cpu_threads", self.cpu_threads)
 
     def _resolve_model_dir(self, resolve_model_dir, hub: dict) -> str:
         import os

@@ -40,6 +40,8 @@ class ModelRunner:
         self.model_config = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
         self.device = vllm_config.device_config.device
+        if vllm_config.device_config.cpu_threads is not None:
+            torch.set_num_threads(vllm_config.device_config.cpu_threads)  # process-wide: this is the engine's process
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler()
@@ -54,7 +56,7 @@ class ModelRunner:
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device)
         self._wrap_lora()
-        if use_onednn_linear(self.device):
+        if use_onednn_linear(self.device, self.model_config.dtype):
             for module in self.model.modules():
                 if hasattr(module, "pack_for_onednn"):  # Linear, LMHead
                     module.pack_for_onednn(batch_hint=_ONEDNN_BATCH_HINT)

@@ -38,6 +38,7 @@ class ModelConfig:
     # SamplingParams field -> default for fields a request leaves unset (vllm/sampling_defaults.py)
     sampling_defaults: dict = field(default_factory=dict)
     max_logprobs: int = 20  # most logprobs / prompt logprobs per token a request may ask for
+    enforce_eager: bool = False  # True: never capture CUDA graphs (vllm/worker/cuda_graph.py)
 
     @property
     def served_model_name(self) -> str:

@@ -105,7 +105,8 @@ class EngineArgs:
         "The adapters' contribution is added to the base output in the model's dtype."))
     max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Adapters cached in host memory (>= max_loras)."))
     enforce_eager: bool = field(default=False, metadata=_help(
-        "Accepted for vLLM compatibility; every step runs eagerly (CUDA graphs are not implemented yet)."))
+        "Run every step eagerly: no CUDA graphs (by default, decode steps on CUDA replay graphs captured at "
+        "start-up for batch sizes 1, 2, 4, 8, 16, ... up to max_num_seqs)."))
     generation_config: str = field(default="auto", metadata=_help(
         "Where default sampling parameters come from: auto (the model's generation_config.json), vllm (none), "
         "or a folder holding a generation_config.json."))
@@ -141,7 +142,7 @@ class EngineArgs:
             seed=self.seed, load_format=self.load_format, served_model_names=self.served_model_names(),
             trust_remote_code=self.trust_remote_code, sampling_defaults=sampling_defaults,
             chat_template=chat_template, tokenizer_mode=tokenizer_mode,
-            max_logprobs=self._non_negative("max_logprobs", self.max_logprobs),
+            max_logprobs=self._non_negative("max_logprobs", self.max_logprobs), enforce_eager=self.enforce_eager,
         )
         default_budget = 8192 if usage == "llm" else 2048
         scheduler_config = SchedulerConfig(

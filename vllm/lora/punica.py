@@ -38,10 +38,13 @@ class LoRAKernelMeta:
     seg_starts: Optional[torch.Tensor] = None  # [num_segments] int32, offsets into sorted_token_ids
     seg_lens: Optional[torch.Tensor] = None  # [num_segments] int32
     max_seg_len: int = 0
+    # A CUDA-graph step: the ops run per token over the whole padded mapping buffer (BGMV, or
+    # the torch op's masked form), whatever it holds, so a replay applies this step's adapters.
+    graph: bool = False
 
     @property
     def has_lora(self) -> bool:
-        return bool(self.runs or self.groups)
+        return bool(self.runs or self.groups) or self.graph
 
 
 # Beyond this many runs per adapter, one gather per adapter is cheaper than many views.
@@ -70,12 +73,17 @@ class PunicaWrapper:
 
             self._add_lora = torch_ops.add_lora
 
-    def update(self, mapping: np.ndarray) -> None:
-        """mapping: [num_tokens] int, slot per token or -1."""
+    def update(self, mapping: np.ndarray, graph_size: Optional[int] = None) -> None:
+        """mapping: [num_tokens] int, slot per token or -1. `graph_size`: a CUDA-graph step padded
+        to that many tokens (vllm/worker/cuda_graph.py): no per-step metadata beyond the buffer."""
         n = int(mapping.shape[0])
         mapping_t = torch.from_numpy(np.ascontiguousarray(mapping, dtype=np.int32))
         self.token_lora_mapping[:n].copy_(mapping_t, non_blocking=True)
         self.token_lora_mapping[n:].fill_(-1)
+        if graph_size is not None:
+            self.meta = LoRAKernelMeta(num_tokens=graph_size, token_lora_mapping=self.token_lora_mapping[:graph_size],
+                                       graph=True)
+            return
         meta = LoRAKernelMeta(num_tokens=n, token_lora_mapping=self.token_lora_mapping[:n])
         adapted = np.flatnonzero(mapping >= 0)
         if adapted.size:

@@ -50,6 +50,7 @@ class ModelRunner:
         self.router = None  # ControlTokenRouter for checkpoints with embedded adapters
         self.kv_caches: list[torch.Tensor] = []
         self.num_model_steps = 0  # steps that ran scheduled requests (fault injection counts them)
+        self.graphs = None  # CudaGraphRunner once captured (CUDA, not enforce_eager)
         fault_injection.check_spec()  # a bad VLLM_FAULT_INJECTION fails the launch, not a request
 
     # ------------------------------------------------------------------ set-up
@@ -81,6 +82,22 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size, self.device)
+        if self.device.type == "cuda" and not self.model_config.enforce_eager:
+            self.capture_cuda_graphs()
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, backend=None) -> None:
+        """Decode graphs over the allocated KV caches (vllm/worker/cuda_graph.py). `backend`:
+        tests pass EagerReplayBackend to run the graph path on the CPU."""
+        from vllm.worker.cuda_graph import CudaGraphRunner
+
+        punica = self.lora_manager.punica if self.lora_manager is not None else None
+        self.graphs = CudaGraphRunner(
+            self.model, self.model_config.hf_config.hidden_size, self.model_config.dtype,
+            self.config.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device,
+            punica=punica, backend=backend,
+        )
+        self.graphs.capture(self.kv_caches)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
@@ -122,11 +139,7 @@ class ModelRunner:
         states = [self.requests[r] for r in order]
         inputs = build_step_inputs(states, [sched.num_scheduled_tokens[r] for r in order], self.block_size, lora_slots,
                                    self.router)
-        if self.lora_manager is not None:
-            self.lora_manager.punica.update(inputs.token_lora_mapping)
-
-        input_ids, positions = self._device_inputs(inputs)
-        hidden = self.model(input_ids, positions, self.kv_caches, self._attention_metadata(inputs))
+        hidden = self._forward(inputs)
 
         sampled_lists: list[list[int]] = [[] for _ in states]
         output = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists)
@@ -135,6 +148,14 @@ class ModelRunner:
         for i, (start, count) in inputs.prompt_logprob_spans.items():
             output.prompt_logprobs[states[i].req_id] = self._prompt_logprobs(states[i], hidden[start : start + count])
         return output
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [num_tokens, hidden]
+        if self.graphs is not None and self.graphs.can_run(inputs, bool(inputs.prompt_logprob_spans)):
+            return self.graphs.run(inputs)  # updates the adapter mapping buffer itself
+        if self.lora_manager is not None:
+            self.lora_manager.punica.update(inputs.token_lora_mapping)
+        input_ids, positions = self._device_inputs(inputs)
+        return self.model(input_ids, positions, self.kv_caches, self._attention_metadata(inputs))
 
     def _batch_order(self, sched: SchedulerOutput, lora_slots: Optional[dict[int, int]]) -> list[str]:
         """Decodes first (the attention contract), then by adapter slot, so each

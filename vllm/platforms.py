@@ -90,7 +90,7 @@ def use_onednn_linear(device: torch.device, dtype: torch.dtype = torch.float32) 
 
 def use_native_cpu_attention(device: torch.device) -> bool:
     """CPU attention of decodes and short prefills runs the C++ kernel of
-    csrc/cpu/paged_attention.cpp (about 2x faster than torch_ref's gather + SDPA for a few
+    vllm/csrc/cpu/paged_attention.cpp (about 2x faster than torch_ref's gather + SDPA for a few
     query tokens over a long context); torch_ref stays the reference path. The first call on
     a machine builds the kernel (cached afterwards); False if it cannot be built."""
     if device.type != "cpu" or envs.VLLM_USE_TORCH_REFERENCE_OPS:

@@ -1,4 +1,4 @@
-"""The native CPU attention kernel (csrc/cpu/paged_attention.cpp) vs the torch reference, its
+"""The native CPU attention kernel (vllm/csrc/cpu/paged_attention.cpp) vs the torch reference, its
 oracle: decodes and short prefills on a cached prefix (an aLoRA's few tokens over a long
 conversation) with shuffled block ids and noise in unused blocks, lengths of 1 and exact
 multiples of the block size, query runs and long contexts split across tasks (and merged),
@@ -6,6 +6,12 @@ GQA ratios 1-4, head sizes 16/40/64/128, block sizes 8/12/16, fp32 (tight) and b
 (loose, against fp32 on the same rounded inputs); sequences above max_query_len left alone;
 results bitwise independent of threads and of the rest of the batch; mixed batches through
 the backend; and greedy generation equal to VLLM_USE_TORCH_REFERENCE_OPS=1.
+
+Attention variants (sliding window, soft cap, sinks): every variant of
+test_attention_variants.variants() against its float64 dense_reference in fp32 (and against
+torch_ref in bf16), over the mixed batch, short runs and long contexts; a window far shorter
+than the context reads only the window's blocks (the others hold NaN); a window wider than
+the context is bitwise the plain kernel.
 
 Every test skips, with the build error as its reason, where the kernel cannot be built."""
 
@@ -15,9 +21,11 @@ import pytest
 import torch
 
 from tests.kernels.test_attention import MIXED, make_batch, reference
+from tests.kernels.test_attention_variants import dense_reference, variants
 from vllm import LLM, SamplingParams
 from vllm.attention.backends import cpu_native, torch_ref
 from vllm.attention.layer import Attention
+from vllm.attention.variant import PLAIN, AttentionVariant
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,10 +40,11 @@ def decode_specs(lengths):
     return [(n - 1, 1) for n in lengths]
 
 
-def run_native(query, cache, meta, scale, max_query_len=cpu_native.MAX_QUERY_LEN, fill=float("nan")):
+def run_native(query, cache, meta, scale, max_query_len=cpu_native.MAX_QUERY_LEN, fill=float("nan"),
+               variant=PLAIN):
     out = torch.full_like(query[: meta.num_actual_tokens], fill)
     cpu_native.paged_attention_rows(out, query, cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
-                                    max_query_len, scale)
+                                    max_query_len, scale, variant)
     return out
 
 
@@ -206,6 +215,105 @@ def test_rejects_lengths_ranges_and_blocks_outside_the_cache():
     past_the_query[-1] = query.shape[0] + 1
     with pytest.raises(RuntimeError, match="query_start_loc"):
         call(qsl=past_the_query)
+
+
+def cached(query, key, value, cache, meta):
+    """The cache with this step's keys and values stored, as the engine has it before attention."""
+    n = meta.num_actual_tokens
+    cache = cache.clone()
+    torch_ref.store_kv(key[:n], value[:n], cache, meta.slot_mapping[:n])
+    return cache
+
+
+# Batches for the variants: the mixed batch of test_attention (decodes, fresh prompts, a chunk on a
+# prefix, shuffled blocks), short runs split over several tasks, and contexts over several key ranges.
+VARIANT_BATCHES = {"mixed": (MIXED, 4, 2, 16, 8), "mixed_mha": (MIXED, 6, 6, 8, 16), "short": (SHORT, 8, 2, 64, 16),
+                   "long": (LONG, 9, 3, 64, 16)}
+
+
+@pytest.mark.parametrize("batch", list(VARIANT_BATCHES))
+@pytest.mark.parametrize("name", list(variants(1)))
+def test_variants_match_dense_reference(name, batch):
+    specs, num_heads, num_kv_heads, head_size, block_size = VARIANT_BATCHES[batch]
+    variant = variants(num_heads)[name]
+    query, key, value, cache, meta = make_batch(specs, num_heads, num_kv_heads, head_size, block_size, seed=21)
+    cache, scale = cached(query, key, value, cache, meta), head_size**-0.5
+    expected = dense_reference(query, cache, meta, scale, variant)
+    out = run_native(query, cache, meta, scale, variant=variant)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
+    # The backend runs the same rows natively (all of these batches' query runs are <= 512 tokens).
+    n = meta.num_actual_tokens
+    backend = cpu_native.paged_attention(query[:n], key[:n], value[:n], cache, meta, scale, variant)
+    assert torch.equal(backend, out)
+
+
+@pytest.mark.parametrize("name", list(variants(1)))
+def test_variants_in_bf16_match_torch_ref(name):
+    """bf16 storage, fp32 arithmetic; torch_ref's own bf16 rounding differs (SDPA or bf16
+    probabilities times bf16 values), hence the loose tolerance."""
+    variant = variants(8)[name]
+    query, key, value, cache, meta = make_batch(MIXED, 8, 2, 64, 16, dtype=torch.bfloat16, seed=22)
+    cache, n = cached(query, key, value, cache, meta), meta.num_actual_tokens
+    expected = torch_ref.paged_attention(query[:n], key[:n], value[:n], cache, meta, 0.125, variant)
+    out = run_native(query, cache, meta, 0.125, variant=variant)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("variant", [AttentionVariant(sliding_window=40),
+                                     AttentionVariant(sliding_window=100, soft_cap=5.0, sinks=torch.ones(6))],
+                         ids=["window", "window_cap_sinks"])
+def test_window_far_shorter_than_the_context_reads_only_its_blocks(variant):
+    """Contexts of 1-3k tokens under a window of 40 or 100: decodes, and runs whose tokens'
+    windows start in different blocks. Every block wholly before the first query token's
+    window holds NaN afterwards; a kernel that read one would return NaN."""
+    specs = [(3000, 1), (1234, 1), (2047, 1), (1500, 20), (2100, 37), (900, 3)]
+    query, key, value, cache, meta = make_batch(specs, 6, 2, 64, 16, seed=23)
+    cache = cached(query, key, value, cache, meta)
+    expected = dense_reference(query, cache, meta, 0.125, variant)
+    window = variant.sliding_window
+    for i, (context, _) in enumerate(specs):
+        first_block = max(0, context - window + 1) // 16
+        cache[:, meta.block_table[i, :first_block].long()] = float("nan")
+    out = run_native(query, cache, meta, 0.125, variant=variant)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
+
+
+def test_window_wider_than_the_context_is_bitwise_plain():
+    query, key, value, cache, meta = make_batch(SHORT + LONG, 8, 2, 64, 16, seed=24)
+    cache = cached(query, key, value, cache, meta)
+    plain = run_native(query, cache, meta, 0.125)
+    assert torch.equal(run_native(query, cache, meta, 0.125, variant=AttentionVariant(sliding_window=2048)), plain)
+
+
+def test_variant_rows_are_bitwise_the_same_alone_and_for_any_thread_count():
+    variant = variants(6)["all"]
+    specs = [(1300, 1), (40, 1), (700, 18), (5, 3)]
+    query, key, value, cache, meta = make_batch(specs, 6, 3, 64, 16, seed=25)
+    cache = cached(query, key, value, cache, meta)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            results.append(run_native(query, cache, meta, 0.125, variant=variant))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    qsl = meta.query_start_loc_cpu.tolist()
+    for i in range(len(specs)):
+        rows = slice(qsl[i], qsl[i + 1])
+        alone = torch.full_like(query[rows], float("nan"))
+        alone_qsl = torch.tensor([0, qsl[i + 1] - qsl[i]], dtype=torch.int32)
+        cpu_native.paged_attention_rows(alone, query[rows], cache, meta.block_table[i : i + 1],
+                                        meta.seq_lens[i : i + 1], alone_qsl, 512, 0.125, variant)
+        assert torch.equal(alone, results[0][rows]), f"sequence {i} differs alone"
+
+
+def test_rejects_sinks_of_the_wrong_shape():
+    query, key, value, cache, meta = make_batch(decode_specs([10, 20]), 4, 2, 16, 8, seed=26)
+    with pytest.raises(RuntimeError, match=r"sinks must be a floating CPU tensor of shape \[num_heads\] = \[4\]"):
+        run_native(query, cache, meta, 0.25, variant=AttentionVariant(sinks=torch.zeros(2)))
 
 
 def _greedy(llm, prompts):

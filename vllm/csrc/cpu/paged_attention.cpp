@@ -9,8 +9,12 @@
  *   query_start_loc[i+1] - 1. With q = their count and L = seq_lens[i] (1 <= q <= L), its
  *   token j sits at position p_j = L - q + j. For query head h, G = H / Hkv and kv = h / G:
  *     k_t = kv_cache[0, block_table[i, t / bs], t % bs, kv, :]     (v_t likewise from kv_cache[1])
- *     s_t = scale * <query[tok, h, :], k_t>                        for t = 0 .. p_j
- *     out[tok, h, :] = sum_t softmax(s)_t * v_t
+ *     s_t = scale * <query[tok, h, :], k_t>                        for t = f_j .. p_j
+ *     s_t = soft_cap * tanh(s_t / soft_cap)                        if soft_cap > 0
+ *     out[tok, h, :] = sum_t softmax(s ++ [sinks[h]])_t * v_t      (the sink only if sinks given)
+ *   with f_j = max(0, p_j - sliding_window + 1) if sliding_window > 0, else 0: the variant of
+ *   vllm/attention/variant.py, whose fields map to sliding_window = 0, soft_cap = 0 and no
+ *   sinks when unset (then the attention is plain causal).
  *   Only sequences with q <= max_query_len are computed; the rows of the others are not
  *   written (the caller computes them another way). Storage may be fp32, bf16 or fp16
  *   (query, cache and out share it); all arithmetic is in fp32 (at::opmath_type), rounded
@@ -23,15 +27,19 @@
  *   block_table      [>= num_seqs, max_blocks] int32, unit stride along blocks
  *   seq_lens         [num_seqs] int32, contiguous
  *   query_start_loc  [num_seqs + 1] int32, contiguous, non-decreasing from 0
+ *   sinks            [H] floating (read as fp32), or undefined / empty for none
  *   Lengths, token ranges and the block ids they reach are checked before any work.
  *
  * Work split: one task per (sequence, KV head, run of at most kMaxTokensPerTask query
  * tokens, range of kKeysPerTask keys), run by at::parallel_for on torch's intra-op threads.
+ * A run's keys start at the block holding its first token's first visible key, so with a
+ * sliding window a decode reads only the blocks its window touches.
  * A task computes the rows of its tokens times the G query heads sharing the KV head over
  * its keys, reading each key and value row of that head once for all of them: an exact
  * two-pass softmax (all logits, then max subtraction and exp, then one pass over the values)
  * whose unnormalised output, max and sum a second parallel pass merges across the key
- * ranges. The split depends only on each sequence's own lengths, so a row's arithmetic is
+ * ranges; a sink enters that merge as one more partial (max sink, sum 1, no value). The split
+ * depends only on each sequence's own lengths (and the window), so a row's arithmetic is
  * the same whatever else is in the batch and whatever the thread count: results are bitwise
  * reproducible.
  *
@@ -60,6 +68,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -248,6 +257,29 @@ inline std::pair<opmath_t, opmath_t> softmax_numerators(opmath_t* row, int64_t n
   return {max_value, at::vec::vec_reduce_all<opmath_t>([](Vec& a, Vec& b) { return a + b; }, sum)};
 }
 
+// In place: row[0:n] = cap * tanh(row / cap), the logit soft cap (Gemma 2).
+template <typename opmath_t>
+inline void soft_cap_logits(opmath_t* row, int64_t n, opmath_t cap) {
+  using Vec = at::vec::Vectorized<opmath_t>;
+  constexpr int64_t W = Vec::size();
+  const Vec c(cap);
+  int64_t t = 0;
+  for (; t + W <= n; t += W) (c * (Vec::loadu(row + t) / c).tanh()).store(row + t);
+  if (t < n) (c * (Vec::loadu(row + t, n - t) / c).tanh()).store(row + t, n - t);
+}
+
+// What the layer adds to plain causal attention (see the header): 0, 0 and nullptr for none.
+struct Variant {
+  int64_t window;      // positions a query sees, itself included
+  float soft_cap;      // logit soft cap
+  const float* sinks;  // [H] one extra logit per query head
+};
+
+// The first key a query token at position p attends to.
+inline int64_t first_visible(const Variant& variant, int64_t p) {
+  return variant.window > 0 ? std::max<int64_t>(0, p - variant.window + 1) : 0;
+}
+
 // A per-thread buffer of at least n values, kept across calls: the scratch of a task that
 // attends over a long context is hundreds of KB, which a fresh allocation per call would
 // pay for again in page faults.
@@ -271,11 +303,13 @@ struct Group {
 };
 
 // Each (sequence, KV head) split into equal runs of at most kMaxTokensPerTask query tokens, and
-// each run's keys (up to those its last token attends to) into ranges of `keys_per_task`.
-// The split depends only on the sequence, so a row's arithmetic is the same whatever else is
-// in the batch and however many threads run it.
+// each run's keys (from the block of its first token's first visible key up to the last token's
+// own) into ranges of `keys_per_task`, each starting on a block boundary. The split depends only
+// on the sequence, so a row's arithmetic is the same whatever else is in the batch and however
+// many threads run it.
 inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, const int32_t* lens, int64_t Hkv,
-                        int64_t G, int64_t keys_per_task, std::vector<Task>& tasks, std::vector<Group>& groups) {
+                        int64_t G, int64_t bs, int64_t keys_per_task, const Variant& variant, std::vector<Task>& tasks,
+                        std::vector<Group>& groups) {
   int64_t rows = 0;
   for (const int64_t i : seqs) {
     const int64_t q = qsl[i + 1] - qsl[i], L = lens[i];
@@ -283,8 +317,9 @@ inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, co
     for (int64_t kv = 0; kv < Hkv; ++kv)
       for (int64_t j0 = 0; j0 < q; j0 += step) {
         const int64_t j1 = std::min(q, j0 + step), n_keys = L - q + j1;
+        const int64_t first = first_visible(variant, L - q + j0) / bs * bs;  // skip whole blocks before
         groups.push_back({static_cast<int64_t>(tasks.size()), 0});
-        for (int64_t k0 = 0; k0 < n_keys; k0 += keys_per_task) {
+        for (int64_t k0 = first; k0 < n_keys; k0 += keys_per_task) {
           tasks.push_back({i, kv, j0, j1, k0, std::min(n_keys, k0 + keys_per_task), rows});
           rows += (j1 - j0) * G;
           ++groups.back().count;
@@ -299,7 +334,7 @@ template <typename scalar_t>
 void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, int64_t q_s1, const scalar_t* k_cache,
                        const scalar_t* v_cache, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                        const int32_t* qsl, int64_t G, int64_t D, int64_t bs, int64_t Hkv, int64_t keys_per_task,
-                       at::opmath_type<scalar_t> scale, at::opmath_type<scalar_t>* partials) {
+                       at::opmath_type<scalar_t> scale, const Variant& variant, at::opmath_type<scalar_t>* partials) {
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int64_t W = at::vec::Vectorized<opmath_t>::size();
   const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;  // within kv_cache[0 or 1]
@@ -318,13 +353,17 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   opmath_t* logits = q + max_rows * D;               // [rows, span] (q: [rows, D], pre-scaled)
   opmath_t* rows = logits + max_rows * keys_per_task;  // [bs, D] one converted block (non-opmath storage)
   opmath_t* kt = rows + bs * D;                      // [D, ldk] one transposed key block
-  int64_t* valid = thread_scratch<int64_t>(max_rows);  // [rows] keys of the range each row attends to
+  // [2, rows]: the keys of the range each row attends to are lo[m] .. hi[m] - 1 (causal, window)
+  int64_t* lo = thread_scratch<int64_t>(2 * max_rows);
+  int64_t* hi = lo + max_rows;
 
   for (int64_t m = 0; m < M; ++m) {
     const int64_t j = task.j0 + m / G, h = task.kv * G + m % G;
     const scalar_t* src = q_base + (qsl[task.seq] + j) * q_s0 + h * q_s1;
     for (int64_t d = 0; d < D; ++d) q[m * D + d] = static_cast<opmath_t>(src[d]) * scale;
-    valid[m] = std::clamp<int64_t>(L - q_len + j + 1 - task.k0, 0, span);  // causal
+    const int64_t p = L - q_len + j;
+    hi[m] = std::clamp<int64_t>(p + 1 - task.k0, 0, span);
+    lo[m] = std::clamp<int64_t>(first_visible(variant, p) - task.k0, 0, hi[m]);
   }
 
   // The n rows from key k0 + start on of `head` (keys or values: one block, as k0 is a multiple
@@ -357,17 +396,21 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
         row_logits<R>(lp, qp, k, stride, n, D);
     });
   }
-  // Softmax numerators over each row's keys; the rest of the range gets probability 0.
+  // Softmax numerators over each row's keys (soft-capped first); the rest of the range gets
+  // probability 0.
+  const opmath_t cap = static_cast<opmath_t>(variant.soft_cap);
   for (int64_t m = 0; m < M; ++m) {
     opmath_t* row = logits + m * keys_per_task;
     opmath_t* part = partials + (task.part + m) * (D + 2);
-    if (valid[m] > 0) {
-      std::tie(part[D], part[D + 1]) = softmax_numerators(row, valid[m]);
+    if (hi[m] > lo[m]) {
+      if (cap > 0) soft_cap_logits(row + lo[m], hi[m] - lo[m], cap);
+      std::tie(part[D], part[D + 1]) = softmax_numerators(row + lo[m], hi[m] - lo[m]);
     } else {
       part[D] = -std::numeric_limits<opmath_t>::infinity();
       part[D + 1] = opmath_t(0);
     }
-    std::fill(row + valid[m], row + span, opmath_t(0));
+    std::fill(row, row + lo[m], opmath_t(0));
+    std::fill(row + hi[m], row + span, opmath_t(0));
     std::fill(part, part + D, opmath_t(0));
   }
 
@@ -390,10 +433,12 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
 }
 
 // out rows of a group: its tasks' partials merged in key order,
-// out = sum_s exp(max_s - max) acc_s / sum_s exp(max_s - max) sum_s.
+// out = sum_s exp(max_s - max) acc_s / (sum_s exp(max_s - max) sum_s + exp(sink - max)),
+// max taken over the partials and the sink (the sink terms only with sinks).
 template <typename scalar_t>
 void merge_partials(const Group& group, const std::vector<Task>& tasks, const at::opmath_type<scalar_t>* partials,
-                    scalar_t* out_base, int64_t o_s0, int64_t o_s1, const int32_t* qsl, int64_t G, int64_t D) {
+                    scalar_t* out_base, int64_t o_s0, int64_t o_s1, const int32_t* qsl, int64_t G, int64_t D,
+                    const float* sinks) {
   using opmath_t = at::opmath_type<scalar_t>;
   using Vec = at::vec::Vectorized<opmath_t>;
   constexpr int64_t W = Vec::size();
@@ -401,12 +446,14 @@ void merge_partials(const Group& group, const std::vector<Task>& tasks, const at
   const int64_t M = (first.j1 - first.j0) * G;
   for (int64_t m = 0; m < M; ++m) {
     auto part = [&](int64_t s) { return partials + (tasks[group.first + s].part + m) * (D + 2); };
+    const int64_t j = first.j0 + m / G, h = first.kv * G + m % G;
     opmath_t max = -std::numeric_limits<opmath_t>::infinity();
     for (int64_t s = 0; s < group.count; ++s) max = std::max(max, part(s)[D]);
-    // With one range the weight is exp(0) = 1 and the merge is exact: out = acc / sum.
+    if (sinks) max = std::max(max, static_cast<opmath_t>(sinks[h]));
+    // With one range and no sink the weight is exp(0) = 1 and the merge is exact: out = acc / sum.
     opmath_t* weights = thread_scratch<opmath_t>(group.count + D);  // [count] exp(max_s - max)
     opmath_t* acc = weights + group.count;                          // [D] the merged output
-    opmath_t sum = 0;
+    opmath_t sum = sinks ? std::exp(static_cast<opmath_t>(sinks[h]) - max) : opmath_t(0);
     for (int64_t s = 0; s < group.count; ++s) {
       weights[s] = std::exp(part(s)[D] - max);
       sum += weights[s] * part(s)[D + 1];
@@ -418,7 +465,6 @@ void merge_partials(const Group& group, const std::vector<Task>& tasks, const at
       for (int64_t s = 0; s < group.count; ++s) a = at::vec::fmadd(Vec(weights[s]), Vec::loadu(part(s) + d, w), a);
       (a * inv).store(acc + d, w);
     }
-    const int64_t j = first.j0 + m / G, h = first.kv * G + m % G;
     scalar_t* dst = out_base + (qsl[first.seq] + j) * o_s0 + h * o_s1;
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
   }
@@ -427,14 +473,14 @@ void merge_partials(const Group& group, const std::vector<Task>& tasks, const at
 template <typename scalar_t>
 void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_table, const int32_t* seq_lens, const int32_t* qsl,
-                      const std::vector<int64_t>& seqs, double scale) {
+                      const std::vector<int64_t>& seqs, double scale, const Variant& variant) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3), G = H / Hkv;
   const int64_t keys_per_task = (kKeysPerTask + bs - 1) / bs * bs;
   std::vector<Task> tasks;
   std::vector<Group> groups;
-  split_tasks(seqs, qsl, seq_lens, Hkv, G, keys_per_task, tasks, groups);
+  split_tasks(seqs, qsl, seq_lens, Hkv, G, bs, keys_per_task, variant, tasks, groups);
   const Task& last = tasks.back();
   std::vector<opmath_t> partials((last.part + (last.j1 - last.j0) * G) * (D + 2));
 
@@ -447,18 +493,20 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
     for (int64_t t = begin; t < end; ++t)
       partial_attention<scalar_t>(tasks[t], q_base, query.stride(0), query.stride(1), k_cache, v_cache, tables,
                                   block_table.stride(0), seq_lens, qsl, G, D, bs, Hkv, keys_per_task, op_scale,
-                                  partials.data());
+                                  variant, partials.data());
   });
   scalar_t* out_base = out.data_ptr<scalar_t>();
   at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
-      merge_partials<scalar_t>(groups[g], tasks, partials.data(), out_base, out.stride(0), out.stride(1), qsl, G, D);
+      merge_partials<scalar_t>(groups[g], tasks, partials.data(), out_base, out.stride(0), out.stride(1), qsl, G, D,
+                               variant.sinks);
   });
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     int64_t max_query_len, double scale) {
+                     int64_t max_query_len, double scale, int64_t sliding_window, double soft_cap,
+                     const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(out.dim() == 3 && query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "paged_attention: expected out/query [n, H, D] and kv_cache [2, num_blocks, bs, Hkv, D]");
   TORCH_CHECK(out.device().is_cpu() && query.device().is_cpu() && kv_cache.device().is_cpu() &&
@@ -479,9 +527,23 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(block_table.size(0) >= num_seqs && query_start_loc.size(0) == num_seqs + 1,
               "paged_attention: block_table needs a row and query_start_loc an entry (plus one) per sequence");
   TORCH_CHECK(max_query_len >= 1, "paged_attention: max_query_len must be at least 1");
+  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(soft_cap >= 0 && std::isfinite(soft_cap),
+              "paged_attention: soft_cap must be finite and >= 0 (0: none), got ", soft_cap);
+  at::Tensor sink_logits;  // [H] fp32, kept alive while the kernel reads it
+  if (sinks.has_value() && sinks->defined() && sinks->numel() > 0) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H && sinks->device().is_cpu() &&
+                    at::isFloatingType(sinks->scalar_type()),
+                "paged_attention: sinks must be a floating CPU tensor of shape [num_heads] = [", H, "], got ",
+                sinks->sizes(), " ", sinks->scalar_type(), " on ", sinks->device());
+    sink_logits = sinks->to(at::kFloat).contiguous();
+  }
+  const Variant variant{sliding_window, static_cast<float>(soft_cap),
+                        sink_logits.defined() ? sink_logits.const_data_ptr<float>() : nullptr};
 
-  // Lengths, token ranges and block ids are checked here, once, so the parallel loop never
-  // reads outside a table row, the cache or the query.
+  // Lengths, token ranges and the block ids the kernel reads (from the first token's window on)
+  // are checked here, once, so the parallel loop never reads outside a table row, the cache or
+  // the query.
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* tables = block_table.const_data_ptr<int32_t>();
@@ -495,7 +557,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     if (q == 0 || q > max_query_len) continue;
     TORCH_CHECK(lens[i] >= q && lens[i] <= capacity, "paged_attention: seq_lens[", i, "] = ", lens[i],
                 " is outside [", q, ", ", capacity, "]");
-    for (int64_t j = 0; j < (lens[i] + bs - 1) / bs; ++j) {
+    for (int64_t j = first_visible(variant, lens[i] - q) / bs; j < (lens[i] + bs - 1) / bs; ++j) {
       const int32_t block = tables[i * block_table.stride(0) + j];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_attention: block_table[", i, ", ", j, "] = ", block,
                   " is outside [0, ", num_blocks, ")");
@@ -505,10 +567,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   if (computed.empty()) return;
 
   switch (kv_cache.scalar_type()) {
-    case at::kFloat: return attention_kernel<float>(out, query, kv_cache, block_table, lens, qsl, computed, scale);
+    case at::kFloat:
+      return attention_kernel<float>(out, query, kv_cache, block_table, lens, qsl, computed, scale, variant);
     case at::kBFloat16:
-      return attention_kernel<at::BFloat16>(out, query, kv_cache, block_table, lens, qsl, computed, scale);
-    case at::kHalf: return attention_kernel<at::Half>(out, query, kv_cache, block_table, lens, qsl, computed, scale);
+      return attention_kernel<at::BFloat16>(out, query, kv_cache, block_table, lens, qsl, computed, scale, variant);
+    case at::kHalf:
+      return attention_kernel<at::Half>(out, query, kv_cache, block_table, lens, qsl, computed, scale, variant);
     default: TORCH_CHECK(false, "paged_attention: dtype ", kv_cache.scalar_type(), " is not fp32, bf16 or fp16");
   }
 }
@@ -518,7 +582,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 TORCH_LIBRARY(vllm_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, int max_query_len, float scale) -> ()");
+      "Tensor query_start_loc, int max_query_len, float scale, int sliding_window=0, float soft_cap=0., "
+      "Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) { m.impl("paged_attention", TORCH_FN(paged_attention)); }

@@ -14,7 +14,11 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
     GenerationConfig,
+    GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
@@ -22,6 +26,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -42,7 +47,9 @@ TINY_SHAPE = dict(
 )
 
 ARCHITECTURES = ("llama", "llama3_tied", "mistral", "mistral_window", "granite", "granite4", "granite4_nope", "qwen2",
-                 "qwen2_window", "qwen3", "mixtral", "qwen3_moe", "granitemoe", "granitemoe_shared", "phi3")
+                 "qwen2_window", "qwen3", "mixtral", "qwen3_moe", "granitemoe", "granitemoe_shared", "phi3",
+                 "olmoe", "granite4_moe", "gpt_oss", "gemma", "gemma2",
+                 "gemma3")
 
 # Windows shorter than most test prompts, and not a multiple of any block size used, so
 # sequences run past them inside a block and across chunk boundaries.
@@ -98,6 +105,43 @@ def _config(arch: str, vocab_size: int, eos: int):
         return GraniteMoeSharedConfig(**TINY_SHAPE, **ids, num_local_experts=4, num_experts_per_tok=2,
                                       shared_intermediate_size=96, embedding_multiplier=2.0,
                                       attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=0.5)
+    if arch == "olmoe":
+        # Full-width q/k norm; clip_qkv small enough that the clamp changes the logits. Here and
+        # below, values chosen so greedy decoding of the parity prompts never picks EOS (the
+        # reference masks it with min_new_tokens; ignore_eos does not).
+        return OlmoeConfig(**TINY_SHAPE, **ids, num_experts=4, num_experts_per_tok=2, clip_qkv=0.8,
+                           norm_topk_prob=False, tie_word_embeddings=False)
+    if arch == "granite4_moe":
+        # Granite 4 with experts next to the shared MLP, attention layers only.
+        return GraniteMoeHybridConfig(
+            **TINY_SHAPE, **ids, shared_intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["attention"] * TINY_SHAPE["num_hidden_layers"], position_embedding_type="rope",
+            embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=2.0,
+            tie_word_embeddings=False,
+        )
+    if arch == "gpt_oss":
+        # Sliding then full attention, sinks, attention/router/expert biases (made non-zero in
+        # make_checkpoint), YaRN over an original context of 64, a SwiGLU clamp (limit 3) that binds.
+        yarn = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+        return GptOssConfig(**TINY_SHAPE, **ids, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                            sliding_window=TEST_WINDOW, layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters=yarn, swiglu_limit=3.0, tie_word_embeddings=False)
+    if arch.startswith("gemma"):
+        # head_dim (32) != hidden / heads and query_pre_attn_scalar (24) != head_dim, as on the
+        # bigger Gemmas; windows on Gemma 2/3's sliding layers, a layer of each kind.
+        gemma = dict(**TINY_SHAPE, **ids, head_dim=32)
+        if arch == "gemma":
+            return GemmaConfig(**gemma)
+        gemma.update(query_pre_attn_scalar=24, sliding_window=TEST_WINDOW)
+        if arch == "gemma2":  # both soft caps small enough to change the results
+            return Gemma2Config(**gemma, attn_logit_softcapping=4.0, final_logit_softcapping=8.0)
+        # Gemma 3: sliding, global, sliding; the global RoPE scaled (linear x8, 4b-27b style)
+        # and its base unlike the local one.
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+        gemma.update(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        return Gemma3TextConfig(**gemma, rope_parameters=rope)
     if arch == "phi3":
         # Phi-4-mini shape: longrope with an original context (64) that every test sequence
         # stays within (past it transformers re-rotates whole sequences, see
@@ -119,6 +163,16 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides) 
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch.startswith("gemma"):  # transformers zero-inits Gemma's (1 + weight) norms: make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
+    if arch == "gpt_oss":  # transformers zero-initialises the attention and expert biases
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(std=config.initializer_range)
     model.save_pretrained(path)
     GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
                      pad_token_id=tok.eos_token_id).save_pretrained(path)

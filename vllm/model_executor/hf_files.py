@@ -8,7 +8,8 @@
   preference: sharded safetensors (via `model.safetensors.index.json`), any
   `*.safetensors`, then PyTorch `pytorch_model*.bin`.
 - `load_hf_config`: the model's config: transformers' `AutoConfig`, except for formats
-  transformers does not know that the engine reads itself (Granite Switch).
+  transformers does not know that the engine reads itself (Granite Switch), and
+  multimodal Gemma 3, whose text config is served.
 - `iterate_weights`: `(name, tensor)` pairs, one tensor at a time. safetensors are
   opened with `safe_open` (memory-mapped; each tensor is read when asked for), so a
   checkpoint is never materialised as a whole state dict.
@@ -154,6 +155,7 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False):
     """The HF config of the model in `model_dir` (ValueError if it cannot be read)."""
     from transformers import AutoConfig
 
+    from vllm.model_executor.models.gemma3 import text_only_config
     from vllm.model_executor.models.granite_switch_config import is_granite_switch, load_granite_switch_config
 
     path = os.path.join(model_dir, "config.json")
@@ -165,7 +167,8 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False):
     if is_granite_switch(raw):
         return load_granite_switch_config(model_dir, raw)
     try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        # Multimodal Gemma 3 is served as its language model (text only).
+        return text_only_config(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code))
     except (OSError, ValueError) as e:
         # A config transformers cannot read is usually a remote-code architecture (e.g.
         # Phi3SmallForCausalLM): name it and what is supported rather than transformers' error.

@@ -8,7 +8,16 @@ its experts and sums the outputs weighted by the routing weights.
 Expert weights are stacked, one tensor per projection over all experts:
     w13 `[num_experts, 2 * intermediate, hidden]`: gate rows first, then up rows
     w2  `[num_experts, hidden, intermediate]`
-and each expert computes `w2[e] @ (silu(w13_gate[e] @ x) * (w13_up[e] @ x))`.
+and each expert computes `w2[e] @ act(w13_gate[e] @ x, w13_up[e] @ x)`, with
+`act(gate, up) = silu(gate) * up` unless `MoEOptions.activation` says otherwise.
+With `MoEOptions.expert_bias` (gpt-oss) each projection adds its expert's bias,
+    w13 bias `[num_experts, 2 * intermediate]` (gate then up), w2 bias `[num_experts, hidden]`,
+and with `router_bias` the router adds one too.
+
+Expert activations (`ExpertActivation.kind`):
+    "silu":           silu(gate) * up (Mixtral, Qwen3-MoE, GraniteMoe, OLMoE).
+    "swiglu_clamped": gpt-oss: gate clamped to at most `limit`, up to [-limit, limit],
+                      then gate * sigmoid(alpha * gate) * (up + 1).
 
 Routing variants (as the HF configs spell them):
     "softmax_topk": softmax over all experts, keep the top k probabilities
@@ -20,12 +29,16 @@ Invariants:
 - The torch path groups (token, expert) pairs by expert with one sort and runs one
   pair of matmuls per expert that has tokens: no per-token Python loop, and each
   expert's weights are read once per step.
+- Options a family does not use change nothing: with no biases and the "silu"
+  activation the computation is exactly the one before those options existed.
 - Routing weights are computed in fp32 (as transformers does) and cast to the
   activation dtype only when they scale the expert outputs.
 - Checkpoint layouts: per-expert tensors (`experts.N.w1/w2/w3`, or
   `experts.N.gate_proj/up_proj/down_proj`) load as slices of the stacked weights,
-  and transformers 5's fused `experts.gate_up_proj` / `experts.down_proj` load whole;
-  `rename_expert_weight` and `expert_packed_mapping` give the loader both.
+  and transformers 5's fused `experts.gate_up_proj` / `experts.down_proj` (and their
+  `_bias` tensors) load whole; `rename_expert_weight` and `expert_packed_mapping` give
+  the loader both. A family whose fused tensors are laid out otherwise (gpt-oss:
+  transposed, gate/up interleaved) converts them before they reach the loader.
 - No LoRA wrapper ever sees the experts (their modules have no `output_sizes`), so
   an adapter naming an expert projection finds no target and is refused.
 """
@@ -44,6 +57,39 @@ from vllm.model_executor.layers.linear import Linear, copy_checked
 from vllm.platforms import use_triton_kernels
 
 ROUTING_SCORES = ("softmax_topk", "topk_softmax")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """The experts' gated activation `(gate, up) -> hidden` (see module docstring).
+    `alpha` and `limit` are used by "swiglu_clamped" only."""
+
+    kind: str = "silu"  # one of EXPERT_ACTIVATIONS
+    alpha: float = 1.702  # sigmoid gain (gpt-oss `swiglu_alpha`)
+    limit: float = 7.0  # clamp bound (gpt-oss `swiglu_limit`)
+
+    def __post_init__(self):
+        if self.kind not in EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"Expert activation {self.kind!r} is not supported; supported: {', '.join(EXPERT_ACTIVATIONS)}."
+            )
+        if not self.limit > 0:
+            raise ValueError(f"The expert activation's clamp limit must be positive, got {self.limit}.")
+
+    def __call__(
+        self,
+        gate: torch.Tensor,  # [n, intermediate]
+        up: torch.Tensor,  # [n, intermediate]
+    ) -> torch.Tensor:  # [n, intermediate], a fresh tensor; gate and up are never written
+        if self.kind == "silu":
+            return F.silu(gate).mul_(up)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)  # a fresh tensor: safe to add into
+        return (gate * torch.sigmoid(gate * self.alpha)).mul_(up.add_(1.0))
+
+
+SILU = ExpertActivation()
 
 
 @dataclass(frozen=True)
@@ -53,6 +99,9 @@ class MoEOptions:
     intermediate_size: int  # per expert
     scoring: str = "softmax_topk"  # one of ROUTING_SCORES
     renormalize: bool = False  # "softmax_topk" only: kept weights rescaled to sum to 1
+    router_bias: bool = False  # the router adds a bias to its logits (gpt-oss)
+    expert_bias: bool = False  # both expert projections add a per-expert bias (gpt-oss)
+    activation: ExpertActivation = SILU
 
     def __post_init__(self):
         if self.scoring not in ROUTING_SCORES:
@@ -87,6 +136,9 @@ def fused_experts_torch(
     w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    w13_bias: Optional[torch.Tensor] = None,  # [num_experts, 2 * intermediate]
+    w2_bias: Optional[torch.Tensor] = None,  # [num_experts, hidden]
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Reference and CPU path: (token, expert) pairs sorted by expert, one matmul pair per
     expert over its contiguous run of pairs, outputs weighted and summed per token."""
@@ -104,8 +156,10 @@ def fused_experts_torch(
         if count == 0:
             continue
         end = start + count
-        gate, up = F.linear(xs[start:end], w13[expert]).chunk(2, dim=-1)  # [count, intermediate] each
-        out[start:end] = F.linear(F.silu(gate).mul_(up), w2[expert])
+        b13 = None if w13_bias is None else w13_bias[expert]
+        b2 = None if w2_bias is None else w2_bias[expert]
+        gate, up = F.linear(xs[start:end], w13[expert], b13).chunk(2, dim=-1)  # [count, intermediate] each
+        out[start:end] = F.linear(activation(gate, up), w2[expert], b2)
         start = end
     out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
     result = torch.zeros_like(x)
@@ -118,32 +172,43 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """The dispatch point for the experts op (see `fused_experts_torch` for shapes): the
     Triton grouped matmul on CUDA, the torch path elsewhere."""
     if use_triton_kernels(x.device):
         from vllm.model_executor.layers.fused_moe_triton import fused_experts_triton
 
-        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids)
+        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
 
 
 class StackedExpertWeight(nn.Module):
-    """One projection of every expert, `weight [num_experts, num_slices * rows, cols]`.
+    """One projection of every expert, `weight [num_experts, num_slices * rows, cols]` and,
+    with `bias`, `bias [num_experts, num_slices * rows]`.
 
     Loader shard ids number the per-expert slices: shard `e * num_slices + s` is slice
-    `s` (e.g. gate 0, up 1) of expert `e`; shard None is the whole stacked tensor.
+    `s` (e.g. gate 0, up 1) of expert `e`; shard None is the whole stacked tensor. The
+    same numbering holds for the bias.
     No `output_sizes`: the LoRA manager never wraps it.
     """
 
     def __init__(self, num_experts: int, num_slices: int, rows: int, cols: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, bias: bool = False):
         super().__init__()
         self.num_experts, self.num_slices, self.rows = num_experts, num_slices, rows
         self.weight = nn.Parameter(
             torch.empty(num_experts, num_slices * rows, cols, dtype=dtype, device=device), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(num_experts, num_slices * rows, dtype=dtype, device=device), requires_grad=False
+            )
+            self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[int]) -> None:
         if shard_id is None:
@@ -158,9 +223,9 @@ class StackedExpertWeight(nn.Module):
 class FusedExperts(nn.Module):
     def __init__(self, hidden: int, options: MoEOptions, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        inter = options.intermediate_size
-        self.w13 = StackedExpertWeight(options.num_experts, 2, inter, hidden, dtype, device)
-        self.w2 = StackedExpertWeight(options.num_experts, 1, hidden, inter, dtype, device)
+        inter, bias = options.intermediate_size, options.expert_bias
+        self.w13 = StackedExpertWeight(options.num_experts, 2, inter, hidden, dtype, device, bias)
+        self.w2 = StackedExpertWeight(options.num_experts, 1, hidden, inter, dtype, device, bias)
 
 
 class FusedMoE(nn.Module):
@@ -172,14 +237,15 @@ class FusedMoE(nn.Module):
                  shared_mlp: Optional[nn.Module] = None):
         super().__init__()
         self.options = options
-        self.gate = Linear(hidden, [options.num_experts], False, dtype, device)
+        self.gate = Linear(hidden, [options.num_experts], options.router_bias, dtype, device)
         self.experts = FusedExperts(hidden, options, dtype, device)
         self.shared_mlp = shared_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         router_logits = self.gate(x)  # [num_tokens, num_experts]
         weights, ids = select_experts(router_logits, self.options.top_k, self.options.scoring, self.options.renormalize)
-        out = fused_experts(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids)
+        w13, w2 = self.experts.w13, self.experts.w2
+        out = fused_experts(x, w13.weight, w2.weight, weights, ids, w13.bias, w2.bias, self.options.activation)
         if self.shared_mlp is not None:
             out.add_(self.shared_mlp(x))  # a fresh tensor: safe in place
         return out
@@ -195,7 +261,8 @@ def check_silu(config) -> None:
 # `expert_packed_mapping` lists; transformers 5's fused tensors -> our stacked weights.
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
 _PER_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_FUSED = ((".experts.gate_up_proj", ".experts.w13.weight"), (".experts.down_proj", ".experts.w2.weight"))
+_FUSED = ((".experts.gate_up_proj", ".experts.w13.weight"), (".experts.down_proj", ".experts.w2.weight"),
+          (".experts.gate_up_proj_bias", ".experts.w13.bias"), (".experts.down_proj_bias", ".experts.w2.bias"))
 
 
 def rename_expert_weight(name: str) -> str:

@@ -16,6 +16,8 @@ per-token sum stay in torch (a weighted `index_add_`).
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -61,17 +63,25 @@ def _grouped_matmul_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
+def grouped_matmul_launch(n: int, k: int, dtype: torch.dtype) -> dict:
+    """Constexprs of _grouped_matmul_kernel for an [N, K] expert weight: the one table
+    _grouped_matmul and benchmarks/triton_aot.py both use (default warps and stages)."""
+    return dict(
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=max(16, min(64, triton.next_power_of_2(n))),
+        BLOCK_K=max(16, min(64, triton.next_power_of_2(k))),
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
+
+
 def _grouped_matmul(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor) -> torch.Tensor:
     """c[s] = w[block_expert[s // BLOCK_M]] @ a[rows[s]] for every slot with rows[s] >= 0."""
     n, k = w.shape[1], w.shape[2]
     c = a.new_zeros(rows.shape[0], n)  # padding slots stay zero
-    block_n = max(16, min(64, triton.next_power_of_2(n)))
-    block_k = max(16, min(64, triton.next_power_of_2(k)))
-    grid = (block_expert.shape[0], triton.cdiv(n, block_n))
+    launch = grouped_matmul_launch(n, k, a.dtype)
+    grid = (block_expert.shape[0], triton.cdiv(n, launch["BLOCK_N"]))
     _grouped_matmul_kernel[grid](
-        a, w, c, rows, block_expert, n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        a, w, c, rows, block_expert, n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0), **launch,
     )
     return c
 
@@ -99,7 +109,12 @@ def fused_experts_triton(
     w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    w13_bias: Optional[torch.Tensor] = None,  # [num_experts, 2 * intermediate]
+    w2_bias: Optional[torch.Tensor] = None,  # [num_experts, hidden]
+    activation: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,  # None: silu(gate) * up
 ) -> torch.Tensor:  # [num_tokens, hidden]
+    """Biases and the activation are applied in torch between the kernel launches: a bias
+    is added to every slot of an expert's run (padding slots too, which are never read)."""
     top_k = topk_ids.shape[1]
     order, slot, block_expert = align_pairs(topk_ids, w13.shape[0])
     num_slots = block_expert.shape[0] * BLOCK_M
@@ -107,9 +122,15 @@ def fused_experts_triton(
     rows = torch.full((num_slots,), -1, dtype=torch.int32, device=x.device)
     rows[slot] = token_of.to(torch.int32)
     gate_up = _grouped_matmul(x.contiguous(), w13.contiguous(), rows, block_expert)  # [num_slots, 2 * inter]
+    # The expert of every padded slot, for the biases: [num_slots]
+    slot_expert = block_expert.repeat_interleave(BLOCK_M) if w13_bias is not None or w2_bias is not None else None
+    if w13_bias is not None:
+        gate_up.add_(w13_bias.index_select(0, slot_expert))
     gate, up = gate_up.chunk(2, dim=-1)
-    hidden = F.silu(gate) * up  # [num_slots, inter]
+    hidden = F.silu(gate) * up if activation is None else activation(gate, up)  # [num_slots, inter]
     rows[slot] = slot.to(torch.int32)  # the second matmul reads each slot's own row
     down = _grouped_matmul(hidden, w2.contiguous(), rows, block_expert)  # [num_slots, hidden]
+    if w2_bias is not None:
+        down.add_(w2_bias.index_select(0, slot_expert))
     out = down[slot] * topk_weights.reshape(-1)[order].unsqueeze(1).to(down.dtype)  # [num_pairs, hidden]
     return torch.zeros_like(x).index_add_(0, token_of, out)

@@ -51,6 +51,7 @@ class DecoderOptions:
     logits_scaling: float = 1.0  # logits are divided by it
     rope: bool = True  # False: no positional encoding in attention (NoPE)
     intermediate_size: Optional[int] = None  # None: the config's intermediate_size
+    norm_class: type[RMSNorm] = RMSNorm  # every norm, q/k norms included (Gemma: GemmaRMSNorm)
     # (config, options, layer_index, dtype, device) -> that layer's MLP (e.g. mixture of
     # experts); None: LlamaMLP everywhere.
     mlp_factory: Optional[Callable[..., nn.Module]] = None
@@ -128,8 +129,8 @@ class LlamaAttention(nn.Module):
         self.qk_norm = options.qk_norm or options.qk_norm_full_width
         if self.qk_norm:
             q_width, k_width = (self.q_size, self.kv_size) if options.qk_norm_full_width else (self.head_size,) * 2
-            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype, device)
+            self.q_norm = options.norm_class(q_width, config.rms_norm_eps, dtype, device)
+            self.k_norm = options.norm_class(k_width, config.rms_norm_eps, dtype, device)
         self.clip_qkv = options.clip_qkv
         self.rotary_emb = rotary_emb  # None: NoPE
         scale = options.attention_scale if options.attention_scale is not None else self.head_size**-0.5
@@ -182,8 +183,8 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = options.mlp_factory(config, options, layer_index, dtype, device)
         else:
             self.mlp = LlamaMLP(config, options, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.input_layernorm = options.norm_class(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = options.norm_class(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -223,7 +224,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, options, rotary_emb, dtype, device, layer_index=i)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = options.norm_class(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -244,13 +245,14 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    model_class: type[nn.Module] = LlamaModel  # (config, options, dtype, device); Gemma 2/3 bring their own
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.config = hf_config
         options = self.decoder_options(hf_config)
         self.logits_scaling = options.logits_scaling
-        self.model = LlamaModel(hf_config, options, dtype, device)
+        self.model = self.model_class(hf_config, options, dtype, device)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = LMHead(
             hf_config.vocab_size,

@@ -39,6 +39,7 @@ class ModelConfig:
     sampling_defaults: dict = field(default_factory=dict)
     max_logprobs: int = 20  # most logprobs / prompt logprobs per token a request may ask for
     enforce_eager: bool = False  # True: never capture CUDA graphs (vllm/worker/cuda_graph.py)
+    quantization: Optional[str] = None  # weight-only, at load: "int8" | "int4" (layers/quantization.py)
 
     @property
     def served_model_name(self) -> str:

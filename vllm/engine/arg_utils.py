@@ -65,6 +65,9 @@ class EngineArgs:
     max_model_len: Optional[int] = field(default=None, metadata=_help(
         "Maximum prompt plus output length (default: the model's max_position_embeddings)."))
     load_format: str = field(default="auto", metadata=_help("auto, safetensors, pt or dummy (random weights)."))
+    quantization: Optional[str] = field(default=None, metadata=_help(
+        "Quantize the weights of every linear layer at load, weight-only (CPU): int8 (per output channel) or int4 "
+        "(groups of 32, GGUF Q4_0's scheme). Activations, embeddings, the LM head and adapters keep the model dtype."))
     served_model_name: Optional[list[str]] = field(default=None, metadata=_help(
         "The model name(s) in the API (default: the model argument). With several, the first is the name "
         "responses report and every one is accepted in requests."))
@@ -143,6 +146,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code, sampling_defaults=sampling_defaults,
             chat_template=chat_template, tokenizer_mode=tokenizer_mode,
             max_logprobs=self._non_negative("max_logprobs", self.max_logprobs), enforce_eager=self.enforce_eager,
+            quantization=self._quantization(platform),
         )
         default_budget = 8192 if usage == "llm" else 2048
         scheduler_config = SchedulerConfig(
@@ -186,6 +190,19 @@ class EngineArgs:
             logger.info("dtype=auto on CPU: %s (checkpoint dtype %s; %s).", str(dtype).removeprefix("torch."),
                         str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else "unknown", why)
         return dtype
+
+    def _quantization(self, platform) -> Optional[str]:
+        from vllm.model_executor.layers.quantization import METHODS
+
+        if self.quantization is None:
+            return None
+        if self.quantization not in METHODS:
+            raise ValueError(f"--quantization {self.quantization!r} is not supported; supported: "
+                             f"{', '.join(METHODS)} (weight-only, applied at load).")
+        if platform.is_cuda:
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU backend only; on CUDA serve the "
+                             "model unquantized.")
+        return self.quantization
 
     def _cpu_threads(self, platform) -> Optional[int]:
         if platform.is_cuda:

@@ -5,9 +5,12 @@ Invariants:
   `torch_dtype` plays no part); parameters start uninitialised (`torch.empty`).
 - Real weights are streamed from the checkpoint one tensor at a time into those
   parameters (peak memory: the model plus one tensor).
-- `load_format="dummy"` reads no file: small uniform random values, RMSNorm weights at
-  1.0, seeded by `model_config.seed`. For speed benchmarks of large shapes
+- `load_format="dummy"` reads no file: small uniform random values, norm weights at
+  their identity (1.0; Gemma's 0.0), seeded by `model_config.seed`. For speed benchmarks of large shapes
   (e.g. Granite-3.3-8B in bf16) where only the shapes matter.
+- Checkpoints stored quantized (a `quantization_config`: GPTQ, AWQ, FP8, MXFP4...) are
+  refused naming the method; `model_config.quantization` (int8, int4) quantizes every
+  `Linear` once its weights are loaded (layers/quantization.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.hf_files import find_weight_files, iterate_weights
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.models import get_model_class
 
 # Small enough that activations stay well inside bf16 range through many layers.
@@ -26,13 +30,30 @@ DUMMY_WEIGHT_RANGE = 1e-3
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     model_class = get_model_class(model_config.architecture)
+    check_not_prequantized(model_config, getattr(model_class, "quantized_checkpoint_hint", ""))
     model = model_class(model_config.hf_config, model_config.dtype, device)
     if model_config.load_format == "dummy":
         initialize_dummy_weights(model, model_config.seed)
     else:
         files, fmt = find_weight_files(model_config.model_dir, model_config.load_format)
         model.load_weights(iterate_weights(files, fmt))
+    if model_config.quantization is not None:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.quantize(model_config.quantization)
     return model.eval()
+
+
+def check_not_prequantized(model_config: ModelConfig, hint: str) -> None:
+    quant = getattr(model_config.hf_config, "quantization_config", None)
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    raise ValueError(
+        f"{model_config.architecture}: quantized checkpoints are not supported (quantization_config has "
+        f"quant_method={str(method)!r}). Supported: unquantized bf16, fp16 or fp32 checkpoints"
+        f"{' (' + hint + ')' if hint else ''}, optionally quantized at load with --quantization int8 or int4."
+    )
 
 
 @torch.no_grad()
@@ -44,7 +65,7 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=gen)
-    # Norm weights multiply activations: at 1.0 they keep hidden states at a sane scale.
+    # Norm weights scale activations: at identity they keep hidden states at a sane scale.
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
+            module.weight.fill_(module.identity_weight)

@@ -12,7 +12,9 @@ Invariants:
 - The surface other code relies on (the LoRA wrapper) is only `input_size`,
   `output_sizes`, `weight`, `bias` and `forward`; keep it that way.
 - After `pack_for_onednn` (CPU fast path, once weights are final) the weight lives
-  only in oneDNN's blocked layout; `weight` keeps its dtype and device but no data.
+  only in oneDNN's blocked layout; after `quantize` (`--quantization`) only in its
+  quantized form (layers/quantization.py). Either way `weight` keeps its dtype and
+  device but no data.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm.model_executor.layers.quantization import QuantizedWeight, quantize, quantized_linear
 
 
 def copy_checked(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -76,17 +80,28 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._packed: Optional[torch.Tensor] = None
+        self._quantized: Optional[QuantizedWeight] = None
 
     @property
     def num_shards(self) -> int:
         return len(self.output_sizes)
 
     def pack_for_onednn(self, batch_hint: int) -> None:
-        """Move the weight into oneDNN's pre-packed layout (no second copy is kept)."""
+        """Move the weight into oneDNN's pre-packed layout (no second copy is kept); a
+        quantized layer keeps its quantized weight."""
+        if self._quantized is not None:
+            return
         self._packed = pack_onednn_weight(self.weight, batch_hint)
         self.weight.data = self.weight.data.new_empty(0)
 
+    def quantize(self, method: str) -> None:
+        """Keep the weight only in `method`'s quantized form (no full-precision copy)."""
+        self._quantized = quantize(self.weight, method)
+        self.weight.data = self.weight.data.new_empty(0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, input_size] -> [num_tokens, output_size]
+        if self._quantized is not None:
+            return quantized_linear(x, self._quantized, self.bias)
         if self._packed is not None:
             return onednn_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,109 @@
+"""Weight-only quantization on the CPU, per precision: the bytes of the linear weights, the
+batch-1 decode step against its floor (those bytes read once at the measured copy bandwidth),
+and agreement with the fp32 model (greedy tokens on a fixed prompt set, mean |logprob|
+difference of the prompt tokens, teacher-forced so one early divergence does not decide it).
+
+    python -m benchmarks.quantization                 # the packaged SmolLM2-135M-Instruct
+    python -m benchmarks.quantization --model DIR --precisions float32 int8 int4
+
+bf16 runs natively only where the CPU has AVX512-BF16 or AMX (elsewhere torch emulates it and
+it is slower than fp32): the table says which. Not a test; docs/benchmarks.md records runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse
+import gc
+
+import torch
+
+from benchmarks.common import add_model_args, machine_load, measured_bandwidth, print_table, resolve_model, save_json
+from benchmarks.engine_steps import decode_step_seconds
+from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.linear import Linear
+from vllm.platforms import cpu_has_native_bf16
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a key-value cache is in one sentence.",
+    "List three prime numbers.",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Pride and Prejudice?",
+    "Give me a synonym for happy.",
+    "What is 12 times 12?",
+]
+MAX_NEW = 32
+CONTEXT = 256
+
+
+def linear_weight_bytes(llm: LLM) -> int:
+    model = llm.llm_engine.engine_core.runner.model
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            quantized = module._quantized
+            total += quantized.nbytes if quantized is not None else module.output_size * module.input_size * (
+                module.weight.element_size())
+    return total
+
+
+def outputs(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    tok = llm.get_tokenizer()
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in PROMPTS]
+    prompts = [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False)
+    forced = llm.generate([{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids}
+                           for p, o in zip(prompts, greedy)], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False)
+    logprobs = [[next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
+                 for d, t in zip(f.prompt_logprobs[1:], f.prompt_token_ids[1:])] for f in forced]
+    return [o.outputs[0].token_ids for o in greedy], logprobs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser)
+    parser.add_argument("--precisions", nargs="+", default=["float32", "bfloat16", "int8", "int4"],
+                        choices=["float32", "bfloat16", "int8", "int4"])
+    args = parser.parse_args()
+    model_dir, kwargs = resolve_model(args)
+    kwargs.pop("dtype", None)
+    bandwidth = measured_bandwidth("cpu")
+    rows, results, reference = [], {}, None
+    for precision in ["float32"] + [p for p in args.precisions if p != "float32"]:
+        quant = precision if precision.startswith("int") else None
+        dtype = "bfloat16" if precision == "bfloat16" else "float32"
+        llm = LLM(model_dir, dtype=dtype, quantization=quant, max_model_len=1024, device="cpu", **kwargs)
+        weight_bytes = linear_weight_bytes(llm)
+        step = decode_step_seconds(llm, 1, CONTEXT, "cpu")
+        tokens, logprobs = outputs(llm)
+        if reference is None:
+            reference = (tokens, logprobs)
+        same = sum(a == b for a, b in zip(tokens, reference[0]))
+        diffs = [abs(a - b) for ours, ref in zip(logprobs, reference[1]) for a, b in zip(ours, ref)]
+        floor = weight_bytes / bandwidth
+        note = "" if precision != "bfloat16" or cpu_has_native_bf16() else " (emulated: no native bf16)"
+        rows.append((precision + note, f"{weight_bytes / 2**20:.1f}", f"{step * 1e3:.2f}", f"{floor * 1e3:.2f}",
+                     f"{step / floor:.2f}x", f"{same}/{len(PROMPTS)}", f"{sum(diffs) / len(diffs):.4f}"))
+        results[precision] = dict(linear_weight_bytes=weight_bytes, decode_step_s=step, floor_s=floor,
+                                  greedy_equal=same, mean_abs_logprob_diff=sum(diffs) / len(diffs))
+        del llm
+        gc.collect()
+    print_table(f"Weight-only quantization, {os.path.basename(model_dir.rstrip('/'))}, batch-1 decode at "
+                f"{CONTEXT} tokens of context, {torch.get_num_threads()} threads, copy bandwidth "
+                f"{bandwidth / 1e9:.1f} GB/s",
+                rows, ("precision", "linear weights MiB", "decode step ms", "floor ms", "vs floor",
+                       "greedy = fp32", "mean |dlogprob|"))
+    save_json(args.json, {"results": results, "machine_load": machine_load()})
+
+
+if __name__ == "__main__":
+    main()

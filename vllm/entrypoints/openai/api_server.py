@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over `AsyncLLM`, run by uvicorn.
 
-What it owns: the routes (GET /health /ping /version /v1/models /metrics, POST
+What it owns: the routes (GET /health /ping /version /v1/models /metrics /get_load, POST
 /v1/completions /v1/chat/completions /v1/responses /tokenize /detokenize
 /reset_prefix_cache, and /v1/load_lora_adapter /v1/unload_lora_adapter when
 VLLM_ALLOW_RUNTIME_LORA_UPDATING is set, as in vLLM), the middleware stack, CORS, and the
@@ -137,6 +137,19 @@ async def show_available_models(raw_request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
     return Response(raw_request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/get_load")
+async def get_load(raw_request: Request) -> JSONResponse:
+    """The engine's load for vllm-router's `power_of_two` policy, which polls this route (SGLang's
+    name) and reads the integer `load`: here running + waiting requests. The other fields are
+    for people: the two counts, and the KV tokens that requests hold."""
+    engine: AsyncLLM = raw_request.app.state.engine
+    stats = engine.get_stats()
+    block_size = engine.engine.vllm_config.cache_config.block_size
+    held_tokens = round(stats.kv_cache_usage * stats.num_blocks) * block_size
+    return JSONResponse({"load": stats.num_running + stats.num_waiting, "num_reqs": stats.num_running,
+                         "num_waiting_reqs": stats.num_waiting, "num_tokens": held_tokens})
 
 
 async def _generate(raw_request: Request, work: Awaitable[Any], stream: bool) -> Response:

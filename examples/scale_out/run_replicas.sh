@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# N `vllm serve` replicas of one model behind vllm-router, on this machine (docs/scale_out.md).
+#
+#   examples/scale_out/run_replicas.sh MODEL_PATH [N] [-- extra vllm serve flags]
+#
+# Replicas listen on 127.0.0.1:$((PORT+1)) .. $((PORT+N)), the router on 0.0.0.0:$PORT.
+# Environment (defaults in brackets):
+#   PORT [8000]               router port; replicas take the ports after it
+#   POLICY [cache_aware]      vllm-router policy (cache_aware, round_robin, power_of_two, ...)
+#   CACHE_THRESHOLD [0.05]    cache_aware's --cache-threshold: the share of an intrinsic's message
+#                             text the router must have seen on a replica to send it there (see
+#                             docs/scale_out.md: 0.3, the router's default, loses long answers)
+#   THREADS_PER_REPLICA [ ]   --cpu-threads for each replica (CPU: give each its own cores)
+#   LOG_DIR [./scale_out_logs] one log per replica and one for the router
+# Ctrl-C (or SIGTERM) stops the router and every replica.
+#
+# Example, two replicas of a model with an aLoRA preloaded on each:
+#   examples/scale_out/run_replicas.sh ibm-granite/granite-3.3-8b-instruct 2 -- \
+#       --enable-lora --enable-activated-lora --max-lora-rank 64 \
+#       --lora-modules certainty=/adapters/certainty_alora
+set -euo pipefail
+
+if [[ $# -lt 1 || "$1" == -* ]]; then
+    sed -n '2,20p' "$0" >&2
+    exit 2
+fi
+MODEL="$1"; shift
+N=2
+if [[ $# -gt 0 && "$1" != "--" ]]; then N="$1"; shift; fi
+if [[ $# -gt 0 && "$1" == "--" ]]; then shift; fi
+if ! [[ "$N" =~ ^[1-9][0-9]*$ ]]; then
+    echo "run_replicas.sh: N must be a positive integer, got '$N'" >&2
+    exit 2
+fi
+if ! command -v vllm-router >/dev/null; then
+    echo "run_replicas.sh: vllm-router is not installed (pip install vllm-router==0.1.17)" >&2
+    exit 2
+fi
+
+PORT="${PORT:-8000}"
+POLICY="${POLICY:-cache_aware}"
+CACHE_THRESHOLD="${CACHE_THRESHOLD:-0.05}"
+LOG_DIR="${LOG_DIR:-./scale_out_logs}"
+mkdir -p "$LOG_DIR"
+
+PIDS=()
+stop_all() {
+    trap - INT TERM EXIT
+    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+}
+trap stop_all INT TERM EXIT
+
+URLS=()
+for i in $(seq 1 "$N"); do
+    port=$((PORT + i))
+    threads=()
+    if [[ -n "${THREADS_PER_REPLICA:-}" ]]; then threads=(--cpu-threads "$THREADS_PER_REPLICA"); fi
+    vllm serve "$MODEL" --host 127.0.0.1 --port "$port" "${threads[@]}" "$@" >"$LOG_DIR/replica_$i.log" 2>&1 &
+    PIDS+=($!)
+    URLS+=("http://127.0.0.1:$port")
+    echo "replica $i: ${URLS[-1]} (log: $LOG_DIR/replica_$i.log)"
+done
+
+# The router waits for every replica's /health itself; waiting here first reports a replica
+# that fails to start with its own log instead of a router timeout.
+for i in $(seq 1 "$N"); do
+    until curl -sf "${URLS[$((i - 1))]}/health" >/dev/null; do
+        if ! kill -0 "${PIDS[$((i - 1))]}" 2>/dev/null; then
+            echo "replica $i exited; the end of its log:" >&2
+            tail -n 20 "$LOG_DIR/replica_$i.log" >&2
+            exit 1
+        fi
+        sleep 1
+    done
+done
+
+policy_args=(--policy "$POLICY")
+if [[ "$POLICY" == "cache_aware" ]]; then policy_args+=(--cache-threshold "$CACHE_THRESHOLD"); fi
+vllm-router --host 0.0.0.0 --port "$PORT" --worker-urls "${URLS[@]}" "${policy_args[@]}" \
+    --worker-startup-check-interval 1 --health-check-interval-secs 5 \
+    --prometheus-host 127.0.0.1 --prometheus-port $((PORT + N + 1)) >"$LOG_DIR/router.log" 2>&1 &
+PIDS+=($!)
+until curl -sf "http://127.0.0.1:$PORT/readiness" >/dev/null; do
+    if ! kill -0 "${PIDS[-1]}" 2>/dev/null; then
+        echo "the router exited; the end of its log:" >&2
+        tail -n 20 "$LOG_DIR/router.log" >&2
+        exit 1
+    fi
+    sleep 1
+done
+echo "router ($POLICY): http://127.0.0.1:$PORT  (metrics: http://127.0.0.1:$((PORT + N + 1))/metrics)"
+echo "Ctrl-C stops everything."
+wait -n "${PIDS[@]}"
+echo "a process exited; stopping the rest" >&2

@@ -113,13 +113,14 @@ def measured_matmul_flops(shapes: list[tuple[int, int]], num_tokens: int, dtype:
         if use_onednn:
             packed = pack_onednn_weight(w, num_tokens)
             candidates.append(lambda: onednn_linear(x, packed, None))
-        best = min(_best_time(fn, device) for fn in candidates)
+        best = min(best_time(fn, device) for fn in candidates)
         total_time += best
         total_flops += 2.0 * num_tokens * n_in * n_out
     return total_flops / total_time
 
 
-def _best_time(fn, device: str, reps: int = 5) -> float:
+def best_time(fn, device: str, reps: int = 5) -> float:
+    """Fastest of `reps` timed calls after one warm-up call (seconds)."""
     fn()
     sync(device)
     best = float("inf")

@@ -13,6 +13,6 @@ status=0
 python benchmarks/triton_aot.py || status=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || exit 1
 python benchmarks/kernels.py || status=1
-python -m benchmarks.gpu_parity --arch llama qwen3 mistral_window mixtral || status=1
+python -m benchmarks.gpu_parity --arch llama qwen3 mistral_window gemma2 gemma3 gpt_oss mixtral || status=1
 python -m benchmarks.engine_steps --granite-8b-dummy --json /tmp/engine_steps.json || status=1
 exit "$status"

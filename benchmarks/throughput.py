@@ -33,6 +33,7 @@ import time
 import torch
 
 from benchmarks.common import (
+    best_time,
     add_model_args,
     default_device,
     forward_flops,
@@ -168,18 +169,6 @@ def family_checkpoint(root: str, family: str, args) -> str:
     return path
 
 
-def _best_seconds(fn, device: str, reps: int = 10) -> float:
-    fn()
-    sync(device)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @torch.inference_mode()
 def moe_layer_vs_floor(llm: LLM, token_counts: list[int], device: str) -> list[dict]:
     """One MoE layer of the loaded model (router, experts, any shared MLP) on random
@@ -204,7 +193,7 @@ def moe_layer_vs_floor(llm: LLM, token_counts: list[int], device: str) -> list[d
         x = torch.randn(n, hidden, dtype=w13.dtype, device=device)  # [n, hidden]
         _, ids = select_experts(moe.gate(x), opts.top_k, opts.scoring, opts.renormalize)
         touched = int(ids.unique().numel())
-        seconds = _best_seconds(lambda: moe(x), device, reps=20)
+        seconds = best_time(lambda: moe(x), device, reps=20)
         num_bytes = (touched * expert_params + dense_params + 2 * x.numel()) * elem  # weights, x in, out
         flops = 2.0 * n * (opts.top_k * expert_params + dense_params)
         per_expert = max(1, n * opts.top_k // touched)

@@ -1,6 +1,8 @@
 """Prefix caching through the whole engine: hits are reported, outputs are unchanged,
 and eviction under memory pressure stays correct."""
 
+import pytest
+
 from vllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -65,3 +67,20 @@ def test_uninitialised_cache_memory_is_harmless(llama_dir, tokenizer):
     reference = LLM(llama_dir, max_model_len=256, enable_prefix_caching=False)
     expected = reference.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+
+
+@pytest.mark.parametrize("arch", ["mistral_window", "qwen2_window", "gemma2", "gemma3", "gpt_oss"])
+def test_prefix_hit_past_the_sliding_window_matches_transformers(arch, checkpoints, tokenizer):
+    """Sliding-window layers keep every block, so a prompt that extends a cached one several
+    windows long reuses the whole cached prefix and still matches transformers."""
+    from tests.utils.checkpoints import TEST_WINDOW, load_hf_model
+    from tests.utils.reference import hf_greedy
+
+    prefix = _prompt(tokenizer, 48)
+    assert len(prefix) > 4 * TEST_WINDOW
+    second = prefix + tokenizer.encode(" What is the capital of France?")
+    llm = LLM(checkpoints[arch], max_model_len=256, block_size=16)
+    llm.generate([{"prompt_token_ids": prefix + [5]}], GREEDY, use_tqdm=False)
+    hit = llm.generate([{"prompt_token_ids": second}], GREEDY, use_tqdm=False)[0]
+    assert hit.num_cached_tokens == 48
+    assert hit.outputs[0].token_ids == hf_greedy(load_hf_model(checkpoints[arch]), second, 8)[0]

@@ -25,7 +25,9 @@ Invariants:
 - Runtime ints (strides, sizes, block_size, LoRA col_offset) are compiled as i32 and pointers
   as 16-byte aligned, as the JIT specializes them on a GPU. Block size and the LoRA slice
   count (qkv 3, gate|up 2, single 1) are runtime values: one launch per slice with the same
-  constexprs, so they add no specialization.
+  constexprs, so they add no specialization. An attention layer's variant (sliding window,
+  soft cap, sinks) is three constexpr flags: the full matrix compiles all eight
+  combinations, --quick none and all three.
 - Compiled kernels are cached by triton itself (TRITON_CACHE_DIR, default ~/.triton/cache):
   a second run only re-reads the cubins.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import os
 import re
 import subprocess
@@ -72,14 +75,22 @@ MODEL_SHAPES = (
 LORA_RANKS = (8, 16, 32, 64)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 QUICK_SHAPE = ("granite-3.3-8b", 4096, 32, 8, 128)
+# (name, hidden_size, moe_intermediate_size) of the supported MoE checkpoints: the experts'
+# two matmuls are [2 * intermediate, hidden] and [hidden, intermediate].
+MOE_SHAPES = (
+    ("mixtral-8x7b", 4096, 14336),
+    ("qwen3-30b-a3b", 2048, 768),
+    ("granite-3.0-3b-a800m", 1536, 512),
+)
 
 # kernel name -> (module, pointer element types other than the model dtype)
 KERNELS = {
     "_decode_kernel": ("vllm.attention.ops.paged_attention",
-                       dict(block_table_ptr="i32", seq_lens_ptr="i32", part_acc_ptr="fp32", part_ml_ptr="fp32")),
+                       dict(block_table_ptr="i32", seq_lens_ptr="i32", part_acc_ptr="fp32", part_ml_ptr="fp32",
+                            sinks_ptr="fp32")),
     "_decode_reduce_kernel": ("vllm.attention.ops.paged_attention", dict(part_acc_ptr="fp32", part_ml_ptr="fp32")),
     "_prefill_kernel": ("vllm.attention.ops.paged_attention",
-                        dict(block_table_ptr="i32", seq_lens_ptr="i32", query_start_loc_ptr="i32")),
+                        dict(block_table_ptr="i32", seq_lens_ptr="i32", query_start_loc_ptr="i32", sinks_ptr="fp32")),
     "_store_kv_kernel": ("vllm.attention.ops.kv_store", dict(slot_mapping_ptr="i64")),
     "_rms_norm_kernel": ("vllm.attention.ops.rms_norm", {}),
     "_rotary_kernel": ("vllm.attention.ops.rotary", dict(positions_ptr="i64")),
@@ -89,11 +100,13 @@ KERNELS = {
         h_ptr="fp32", sorted_ids_ptr="i64", seg_slots_ptr="i32", seg_starts_ptr="i32", seg_lens_ptr="i32")),
     "_bgmv_shrink_kernel": ("vllm.lora.ops.triton_ops", dict(h_ptr="fp32", mapping_ptr="i32")),
     "_bgmv_expand_kernel": ("vllm.lora.ops.triton_ops", dict(h_ptr="fp32", mapping_ptr="i32")),
+    "_grouped_matmul_kernel": ("vllm.model_executor.layers.fused_moe_triton",
+                               dict(rows_ptr="i32", block_expert_ptr="i64")),
 }
 HELPERS = {"_attend_tile", "_rotate_heads"}  # inlined into the kernels above
 # Kernels whose launcher has no *_launch table yet: listed so the run says they are unchecked.
-NOT_CHECKED = {"_grouped_matmul_kernel": "vllm/model_executor/layers/fused_moe_triton.py (MoE, new)"}
-FLOAT_ARGS = {"scale_log2", "eps"}
+NOT_CHECKED: dict[str, str] = {}
+FLOAT_ARGS = {"scale_log2", "soft_cap_log2", "eps"}
 _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -116,12 +129,16 @@ def launched_specs(quick: bool) -> list[Spec]:
     """Every distinct (kernel, dtype, launch table) the launchers produce for the shapes above."""
     from vllm.attention.ops import kv_store, paged_attention as pa, rms_norm, rotary
     from vllm.lora.ops import triton_ops as lo
+    from vllm.model_executor.layers import fused_moe_triton as moe
 
     shapes = (QUICK_SHAPE,) if quick else MODEL_SHAPES
     dtypes = (torch.bfloat16,) if quick else DTYPES
     ranks = (16,) if quick else LORA_RANKS
     decode_splits = [1, 2] if quick else _power_splits(pa.MAX_DECODE_SPLITS)
     lora_splits = [1, 2] if quick else _power_splits(lo.MAX_SPLIT_K)
+    combos = [(False,) * 3, (True,) * 3] if quick else list(itertools.product((False, True), repeat=3))
+    variants = [dict(zip(pa.VARIANT_FLAGS, combo)) for combo in combos]
+    moe_shapes = MOE_SHAPES[:1] if quick else MOE_SHAPES
     out: dict[tuple, Spec] = {}
 
     def add(kernel: str, dtype: torch.dtype, launch: dict, source: str) -> None:
@@ -132,10 +149,12 @@ def launched_specs(quick: bool) -> list[Spec]:
         for name, hidden, heads, kv_heads, head in shapes:
             group = heads // kv_heads
             for splits in decode_splits:
-                add("_decode_kernel", dtype, pa.decode_launch(head, group, splits, dtype), name)
+                for flags in variants:
+                    add("_decode_kernel", dtype, pa.decode_launch(head, group, splits, dtype, **flags), name)
                 if splits > 1:
                     add("_decode_reduce_kernel", dtype, pa.decode_reduce_launch(head, splits), name)
-            add("_prefill_kernel", dtype, pa.prefill_launch(head, group, dtype), name)
+            for flags in variants:
+                add("_prefill_kernel", dtype, pa.prefill_launch(head, group, dtype, **flags), name)
             add("_store_kv_kernel", dtype, kv_store.store_kv_launch(kv_heads, head), name)
             for size in (hidden, head):  # layer norms and qwen3's per-head q/k norms
                 for residual in (False, True):
@@ -147,6 +166,9 @@ def launched_specs(quick: bool) -> list[Spec]:
                 add("_bgmv_shrink_kernel", dtype, lo.bgmv_shrink_launch(rank, split), f"rank {rank}")
             add("_sgmv_expand_kernel", dtype, lo.sgmv_expand_launch(rank, dtype), f"rank {rank}")
             add("_bgmv_expand_kernel", dtype, lo.bgmv_expand_launch(rank), f"rank {rank}")
+        for name, hidden, inter in moe_shapes:
+            for n, k in ((2 * inter, hidden), (hidden, inter)):
+                add("_grouped_matmul_kernel", dtype, moe.grouped_matmul_launch(n, k, dtype), name)
     return list(out.values())
 
 

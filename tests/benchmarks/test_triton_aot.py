@@ -53,6 +53,10 @@ def test_launch_tables_name_the_kernel_constexprs():
     assert values("_sgmv_shrink_kernel", "SPLIT_K") >= {1, 2, 16}
     assert values("_bgmv_shrink_kernel", "BLOCK_R") == {16, 32, 64}
     assert values("_prefill_kernel", "DOT_PRECISION") == {"ieee", "tf32"}
+    for kernel in ("_decode_kernel", "_prefill_kernel"):  # attention variants: every flag both ways
+        for flag in ("SLIDING_WINDOW", "SOFT_CAP", "HAS_SINKS"):
+            assert values(kernel, flag) == {False, True}, (kernel, flag)
+    assert values("_grouped_matmul_kernel", "DOT_PRECISION") == {"ieee", "tf32"}
 
 
 def test_verdict_flags_spills_and_shared_memory():

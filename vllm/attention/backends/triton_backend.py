@@ -5,7 +5,8 @@ signatures and semantics, as vllm/attention/backends/torch_ref.py.
 - paged_attention: decodes (sequences 0:num_decodes, one token each) run the split-K
   decode kernel; the remaining sequences (prefills, chunks on a cached prefix) run the
   tiled prefill kernel. Both read keys and values from the cache, so `key` / `value`
-  are accepted for signature parity only.
+  are accepted for signature parity only. The layer's AttentionVariant (sliding window,
+  soft cap, sinks) is compiled into both kernels (see vllm/attention/ops/paged_attention.py).
 
 Invariant: only the first meta.num_actual_tokens rows are computed; rows past them
 (CUDA-graph padding) are set to zero so no uninitialised memory leaks downstream.
@@ -37,8 +38,6 @@ def paged_attention(
     scale: float,
     variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-    if not variant.is_plain:
-        raise NotImplementedError("The Triton attention kernels do not implement sliding windows, soft caps or sinks.")
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
@@ -48,11 +47,12 @@ def paged_attention(
     if n < out.shape[0]:
         out[n:].zero_()
     if meta.num_decodes:
-        paged_decode(out, query, kv_cache, meta.block_table, meta.seq_lens, meta.num_decodes, scale)
+        paged_decode(out, query, kv_cache, meta.block_table, meta.seq_lens, meta.num_decodes, scale,
+                     variant=variant)
     num_prefills = meta.num_seqs - meta.num_decodes
     if num_prefills:
         paged_prefill(
             out, query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
-            meta.num_decodes, num_prefills, meta.max_query_len, scale,
+            meta.num_decodes, num_prefills, meta.max_query_len, scale, variant=variant,
         )
     return out

@@ -14,17 +14,17 @@
  * Shapes: x fp32 [M, K] contiguous; scales fp32 [N, K / group] contiguous; K a multiple of
  * group. Checked before any work.
  *
- * Work split: at::parallel_for over output features; each task dequantizes one group of one
- * weight row into a small fp32 buffer once and applies it to every row of x, so the weight
- * bytes are read once per call whatever M is. Sums are in fp32 in a fixed order per (m, n):
- * results do not depend on the thread count.
+ * Work split: at::parallel_for over output features; for each (row of x, output feature) the
+ * group's products are summed in fp32 straight from the packed bytes (widened in registers,
+ * no dequantized copy), then scaled once per group. The weight row stays in L1 across the
+ * few rows of x this kernel is used for, so weight bytes come from memory once per call.
+ * Sums run in a fixed order per (m, n): results do not depend on the thread count.
  */
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstdint>
-#include <vector>
 
 namespace {
 
@@ -46,18 +46,6 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               "out must be contiguous fp32 [M, N]");
 }
 
-// out[m, n] += sum_j x[m, k0 + j] * w[j] for j < len, every m (w: one dequantized group).
-inline void apply_group(float* out, const float* x, const float* w, int64_t M, int64_t N, int64_t K, int64_t n,
-                        int64_t k0, int64_t len) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K + k0;
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t j = 0; j < len; ++j) acc += xr[j] * w[j];
-    out[m * N + n] += acc;
-  }
-}
-
 void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        int64_t group) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "int8 qweight must be int8");
@@ -67,16 +55,20 @@ void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Ten
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  out.zero_();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(group);
     for (int64_t n = begin; n < end; ++n) {
-      for (int64_t g = 0; g < G; ++g) {
-        const int8_t* q = qp + n * K + g * group;
-        const float s = sp[n * G + g];
-#pragma omp simd
-        for (int64_t j = 0; j < group; ++j) w[j] = s * static_cast<float>(q[j]);
-        apply_group(op, xp, w.data(), M, N, K, n, g * group, group);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = xp + m * K;
+        float total = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const int8_t* q = qp + n * K + g * group;
+          const float* xg = xr + g * group;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t j = 0; j < group; ++j) acc += xg[j] * static_cast<float>(q[j]);
+          total += sp[n * G + g] * acc;
+        }
+        op[m * N + n] = total;
       }
     }
   });
@@ -88,27 +80,31 @@ void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Ten
   TORCH_CHECK(group % kQ4Block == 0, "int4 group (", group, ") must be a multiple of 32");
   check_inputs(out, x, qweight, scales, group, 2);
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
+  constexpr int64_t kHalf = kQ4Block / 2;
   const float* xp = x.data_ptr<float>();
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  out.zero_();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(group);
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = qp + n * (K / 2);
-      for (int64_t g = 0; g < G; ++g) {
-        const float s = sp[n * G + g];
-        for (int64_t b = 0; b < group / kQ4Block; ++b) {
-          const uint8_t* q = row + (g * group + b * kQ4Block) / 2;
-          float* wb = w.data() + b * kQ4Block;
-#pragma omp simd
-          for (int64_t j = 0; j < kQ4Block / 2; ++j) {
-            wb[j] = s * static_cast<float>(static_cast<int>(q[j] & 0x0F) - 8);
-            wb[j + kQ4Block / 2] = s * static_cast<float>(static_cast<int>(q[j] >> 4) - 8);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = xp + m * K;
+        float total = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          float acc = 0.f;
+          for (int64_t b = g * group; b < (g + 1) * group; b += kQ4Block) {
+            const uint8_t* q = row + b / 2;
+            const float* xb = xr + b;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t j = 0; j < kHalf; ++j) {
+              acc += xb[j] * static_cast<float>(static_cast<int>(q[j] & 0x0F) - 8) +
+                     xb[j + kHalf] * static_cast<float>(static_cast<int>(q[j] >> 4) - 8);
+            }
           }
+          total += sp[n * G + g] * acc;
         }
-        apply_group(op, xp, w.data(), M, N, K, n, g * group, group);
+        op[m * N + n] = total;
       }
     }
   });

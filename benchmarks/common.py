@@ -195,6 +195,8 @@ def resolve_model(args, root: Optional[str] = None) -> tuple[str, dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = {"dtype": args.dtype} if args.dtype else {}
+    if args.threads:  # the engine sets torch's threads itself: pass the choice on
+        kwargs["cpu_threads"] = args.threads
     if args.granite_8b_dummy:
         return granite_8b_dummy_dir(root or _tmpdir()), {"load_format": "dummy", **kwargs}
     from vllm.model_executor.default_model import ensure_default_model

@@ -233,7 +233,7 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
 
     llm = LLM(manifest["switch_dir"], dtype=args.dtype, enable_lora=True, max_loras=1, max_lora_rank=args.rank,
-              max_model_len=max(512, args.conversation_len + 64))
+              max_model_len=max(512, args.conversation_len + 64), cpu_threads=args.threads)
     tokenizer = llm.get_tokenizer()
     config = llm.llm_engine.model_config.hf_config
     block_size = llm.llm_engine.vllm_config.cache_config.block_size

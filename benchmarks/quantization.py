@@ -1,5 +1,6 @@
 """Weight-only quantization on the CPU, per precision: the bytes of the linear weights, the
-batch-1 decode step against its floor (those bytes read once at the measured copy bandwidth),
+batch-1 decode step against its floor (those bytes and the LM head's, which stays in the model
+dtype, read once at the measured copy bandwidth),
 and agreement with the fp32 model (greedy tokens on a fixed prompt set, mean |logprob|
 difference of the prompt tokens, teacher-forced so one early divergence does not decide it).
 
@@ -54,6 +55,11 @@ def linear_weight_bytes(llm: LLM) -> int:
     return total
 
 
+def lm_head_bytes(llm: LLM) -> int:
+    config = llm.llm_engine.model_config
+    return config.vocab_size * config.hf_config.hidden_size * config.dtype.itemsize
+
+
 def outputs(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
     tok = llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
@@ -89,7 +95,7 @@ def main() -> None:
             reference = (tokens, logprobs)
         same = sum(a == b for a, b in zip(tokens, reference[0]))
         diffs = [abs(a - b) for ours, ref in zip(logprobs, reference[1]) for a, b in zip(ours, ref)]
-        floor = weight_bytes / bandwidth
+        floor = (weight_bytes + lm_head_bytes(llm)) / bandwidth
         note = "" if precision != "bfloat16" or cpu_has_native_bf16() else " (emulated: no native bf16)"
         rows.append((precision + note, f"{weight_bytes / 2**20:.1f}", f"{step * 1e3:.2f}", f"{floor * 1e3:.2f}",
                      f"{step / floor:.2f}x", f"{same}/{len(PROMPTS)}", f"{sum(diffs) / len(diffs):.4f}"))

@@ -38,6 +38,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Force the torch reference ops: no Triton on a GPU, no oneDNN linears or native
     # attention kernel on the CPU (debugging, oracles).
     "VLLM_USE_TORCH_REFERENCE_OPS": _bool("VLLM_USE_TORCH_REFERENCE_OPS"),
+    # OpenMP's thread count: when set, the default of --cpu-threads (torch reads it too).
+    "OMP_NUM_THREADS": _str("OMP_NUM_THREADS"),
     # C++ compiler of torch's extension builder (its name), probed before building the
     # native CPU attention kernel.
     "CXX": _str("CXX", "c++"),

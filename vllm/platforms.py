@@ -47,8 +47,10 @@ def cpu_has_native_bf16() -> bool:
 
 
 def default_cpu_threads() -> int:
-    """The cores this process may run on (its affinity mask, which taskset and container
-    cpusets narrow), not the machine's."""
+    """OMP_NUM_THREADS when set (as torch itself honours it); else the cores this process may
+    run on (its affinity mask, which taskset and container cpusets narrow), not the machine's."""
+    if (envs.OMP_NUM_THREADS or "").strip().isdigit() and int(envs.OMP_NUM_THREADS) > 0:
+        return int(envs.OMP_NUM_THREADS)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # platforms without affinity masks

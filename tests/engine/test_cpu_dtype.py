@@ -96,7 +96,8 @@ def test_bf16_serving_matches_transformers_in_bf16(half_checkpoints, tokenizer, 
         assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < BF16_LOGPROB_ATOL
 
 
-def test_cpu_threads(llama_dir):
+def test_cpu_threads(llama_dir, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     default = EngineArgs(model=llama_dir, device="cpu").create_engine_config().device_config.cpu_threads
     assert default == len(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match="cpu_threads must be a positive integer, got 0"):
@@ -116,3 +117,8 @@ def test_explicit_half_dtype_loads_on_any_cpu(llama_dir, dtype):
     llm = LLM(llama_dir, max_model_len=64, dtype=str(dtype).removeprefix("torch."))
     out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_cpu_threads_default_honours_omp_num_threads(llama_dir, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert EngineArgs(model=llama_dir, device="cpu").create_engine_config().device_config.cpu_threads == 1

@@ -73,7 +73,8 @@ class EngineArgs:
         "responses report and every one is accepted in requests."))
     device: str = field(default="auto", metadata=_help("auto, cpu or cuda."))
     cpu_threads: Optional[int] = field(default=None, metadata=_help(
-        "Threads of the CPU backend's matmuls and attention (default: the cores this process may use)."))
+        "Threads of the CPU backend's matmuls and attention (default: OMP_NUM_THREADS if set, else the cores this "
+        "process may use)."))
     block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block."))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(

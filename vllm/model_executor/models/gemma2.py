@@ -40,7 +40,14 @@ from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from vllm.model_executor.layers.vocab_embedding import VocabEmbedding
 from vllm.model_executor.models.gemma import LAYER_TYPES, check_layer_types, embedding_scale, gemma_options
-from vllm.model_executor.models.llama import DecoderOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, head_size_of
+from vllm.model_executor.models.llama import (
+    DecoderOptions,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    head_size_of,
+)
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -75,9 +82,12 @@ class Gemma2DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(hidden_states), residual
 
 
-class Gemma2Model(nn.Module):
+class Gemma2Model(LlamaModel):
+    """LlamaModel's forward (scaled embedding, the layers, the final norm) over Gemma 2's
+    layers and one rotary embedding per layer type."""
+
     def __init__(self, config: Any, options: DecoderOptions, dtype: torch.dtype, device: torch.device):
-        super().__init__()
+        nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
         check_layer_types(config)
         self.embedding_multiplier = embedding_scale(config.hidden_size, dtype)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device)
@@ -94,20 +104,6 @@ class Gemma2Model(nn.Module):
         rope = RotaryEmbedding(head_size_of(config), config.max_position_embeddings, rope_parameters(config), dtype,
                                device)
         return dict.fromkeys(LAYER_TYPES, rope)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],  # one per layer
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden_states = self.embed_tokens(input_ids).mul_(self.embedding_multiplier)  # a fresh tensor
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 def soft_cap_(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:

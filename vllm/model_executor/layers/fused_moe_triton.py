@@ -16,12 +16,13 @@ per-token sum stay in torch (a weighted `index_add_`).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from vllm.model_executor.layers.fused_moe import SILU, ExpertActivation
 
 BLOCK_M = 16  # pairs per row block (tl.dot needs >= 16)
 
@@ -111,7 +112,7 @@ def fused_experts_triton(
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
     w13_bias: Optional[torch.Tensor] = None,  # [num_experts, 2 * intermediate]
     w2_bias: Optional[torch.Tensor] = None,  # [num_experts, hidden]
-    activation: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,  # None: silu(gate) * up
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Biases and the activation are applied in torch between the kernel launches: a bias
     is added to every slot of an expert's run (padding slots too, which are never read)."""
@@ -127,7 +128,7 @@ def fused_experts_triton(
     if w13_bias is not None:
         gate_up.add_(w13_bias.index_select(0, slot_expert))
     gate, up = gate_up.chunk(2, dim=-1)
-    hidden = F.silu(gate) * up if activation is None else activation(gate, up)  # [num_slots, inter]
+    hidden = activation(gate, up)  # [num_slots, inter]
     rows[slot] = slot.to(torch.int32)  # the second matmul reads each slot's own row
     down = _grouped_matmul(hidden, w2.contiguous(), rows, block_expert)  # [num_slots, hidden]
     if w2_bias is not None:

@@ -5,13 +5,13 @@ bf16; `cpu_threads` sets torch's intra-op threads."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
 import torch
 
 from tests.utils.checkpoints import load_hf_model
+from tests.utils.logs import logged_messages
 from tests.utils.reference import hf_greedy
 from vllm import LLM, SamplingParams, platforms
 from vllm.engine.arg_utils import EngineArgs
@@ -52,28 +52,15 @@ def test_auto_dtype_rule(native, stored, expected):
     assert Platform("cuda", torch.bfloat16).auto_dtype(stored) == torch.bfloat16
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize("native", [True, False])
 def test_engine_config_takes_checkpoint_dtype_and_logs_why(native, half_checkpoints, monkeypatch):
     monkeypatch.setattr(platforms, "cpu_has_native_bf16", lambda: native)
-    records, logger = _Records(), logging.getLogger("vllm.engine.arg_utils")
-    logger.addHandler(records)
-    try:
+    with logged_messages("vllm.engine.arg_utils") as messages:
         config = EngineArgs(model=half_checkpoints[torch.float16], device="cpu").create_engine_config()
-    finally:
-        logger.removeHandler(records)
     assert config.model_config.dtype == (torch.bfloat16 if native else torch.float32)
     reason = "this CPU has native bf16" if native else "this CPU has no native bf16 (AVX512-BF16 or AMX)"
     expected = f"dtype=auto on CPU: {'bfloat16' if native else 'float32'} (checkpoint dtype float16; {reason})."
-    assert expected in records.messages
+    assert expected in messages
     # An explicit dtype is taken as given, whatever the CPU.
     explicit = EngineArgs(model=half_checkpoints[torch.float16], device="cpu", dtype="float32")
     assert explicit.create_engine_config().model_config.dtype == torch.float32

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import INVOCATION
+from tests.utils.logs import logged_messages
 from vllm import LLM, SamplingParams
 from vllm.lora.ops import torch_ops
 from vllm.lora.punica import LoRAKernelMeta, PunicaWrapper
@@ -144,26 +145,13 @@ class _FailingBackend:
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def test_failed_capture_warns_and_runs_eagerly(llama_dir, tokenizer):
     llm = LLM(llama_dir, max_model_len=128, max_num_seqs=4)
     runner = llm.llm_engine.engine_core.runner
-    records, logger = _Records(), logging.getLogger("vllm.worker.cuda_graph")
-    logger.addHandler(records)
-    try:
+    with logged_messages("vllm.worker.cuda_graph", logging.WARNING) as messages:
         runner.capture_cuda_graphs(_FailingBackend())
-    finally:
-        logger.removeHandler(records)
     assert not runner.graphs.enabled
-    assert records.messages == ["CUDA graph capture failed, running every step eagerly: RuntimeError: "
+    assert messages == ["CUDA graph capture failed, running every step eagerly: RuntimeError: "
                                 "operation not permitted when stream is capturing"]
     out = llm.generate([{"prompt_token_ids": tokenizer.encode("Hello")}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

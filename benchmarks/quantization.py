@@ -46,13 +46,7 @@ CONTEXT = 256
 
 def linear_weight_bytes(llm: LLM) -> int:
     model = llm.llm_engine.engine_core.runner.model
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            quantized = module._quantized
-            total += quantized.nbytes if quantized is not None else module.output_size * module.input_size * (
-                module.weight.element_size())
-    return total
+    return sum(module.weight_nbytes for module in model.modules() if isinstance(module, Linear))
 
 
 def lm_head_bytes(llm: LLM) -> int:

@@ -78,7 +78,7 @@ def test_quantized_layer_keeps_no_full_precision_copy():
     reference = x @ q.quantize(layer.weight, "int4").dequantize().T + layer.bias
     layer.quantize("int4")
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.float32
-    assert layer._quantized.nbytes == 64 * 32 + 64 * 2 * 4  # half a byte per weight + one fp32 scale per 32
+    assert layer.weight_nbytes == 64 * 32 + 64 * 2 * 4  # half a byte per weight + one fp32 scale per 32
     layer.pack_for_onednn(batch_hint=64)  # a quantized layer stays quantized
     torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-5)
 

@@ -84,9 +84,10 @@ class DecodeGraphBuffers:
         width = inputs.block_table.shape[1]
         self.block_table[:n, :width].copy_(torch.from_numpy(inputs.block_table), non_blocking=True)
         self.block_table[:n, width:].zero_()
-        self._reset_pad_rows(n, size)
+        self.reset_rows(n, size)
 
-    def _reset_pad_rows(self, start: int, end: int) -> None:
+    def reset_rows(self, start: int, end: int) -> None:
+        """Rows start:end become pad rows (no token, no store, one position through block 0)."""
         self.input_ids[start:end].zero_()
         self.positions[start:end].zero_()
         self.slot_mapping[start:end].fill_(-1)  # never stored
@@ -195,7 +196,7 @@ class CudaGraphRunner:
             logger.warning("CUDA graph capture failed, running every step eagerly: %s: %s", type(e).__name__, e)
 
     def _capture_one(self, size: int, kv_caches: list[torch.Tensor]) -> Graph:
-        self.buffers._reset_pad_rows(0, size)
+        self.buffers.reset_rows(0, size)
         if self.punica is not None:
             self.punica.update(np.full(0, -1, dtype=np.int32), graph_size=size)
         meta = self.buffers.metadata(size, self.max_model_len)

@@ -94,6 +94,13 @@ class Linear(nn.Module):
         self._packed = pack_onednn_weight(self.weight, batch_hint)
         self.weight.data = self.weight.data.new_empty(0)
 
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of the weight however it is stored (dense, oneDNN-packed or quantized)."""
+        if self._quantized is not None:
+            return self._quantized.nbytes
+        return self.output_size * self.input_size * self.weight.element_size()
+
     def quantize(self, method: str) -> None:
         """Keep the weight only in `method`'s quantized form (no full-precision copy)."""
         self._quantized = quantize(self.weight, method)

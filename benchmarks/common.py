@@ -190,13 +190,19 @@ def add_model_args(parser) -> None:
     parser.add_argument("--json", default=None, help="write results to this JSON file")
 
 
-def resolve_model(args, root: Optional[str] = None) -> tuple[str, dict]:
-    """(model folder, extra LLM kwargs) for --model / --granite-8b-dummy / the default model."""
+def engine_kwargs(args) -> dict:
+    """LLM kwargs of --dtype / --threads; --threads also sets this process's torch threads
+    (the transformers side of a comparison runs here)."""
+    kwargs = {"dtype": args.dtype} if args.dtype else {}
     if args.threads:
         torch.set_num_threads(args.threads)
-    kwargs = {"dtype": args.dtype} if args.dtype else {}
-    if args.threads:  # the engine sets torch's threads itself: pass the choice on
-        kwargs["cpu_threads"] = args.threads
+        kwargs["cpu_threads"] = args.threads  # the engine sets torch's threads itself: pass the choice on
+    return kwargs
+
+
+def resolve_model(args, root: Optional[str] = None) -> tuple[str, dict]:
+    """(model folder, extra LLM kwargs) for --model / --granite-8b-dummy / the default model."""
+    kwargs = engine_kwargs(args)
     if args.granite_8b_dummy:
         return granite_8b_dummy_dir(root or _tmpdir()), {"load_format": "dummy", **kwargs}
     from vllm.model_executor.default_model import ensure_default_model

@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.common import (
     best_time,
+    engine_kwargs,
     add_model_args,
     default_device,
     forward_flops,
@@ -213,9 +214,7 @@ def run_families(args, device: str) -> dict:
 
     from vllm.model_executor.models import supported_architectures
 
-    kwargs = {"dtype": args.dtype} if args.dtype else {}
-    if args.threads:  # the engine sets torch's threads itself: pass the choice on
-        kwargs["cpu_threads"] = args.threads
+    kwargs = engine_kwargs(args)
     results = {}
     with tempfile.TemporaryDirectory(prefix="vllm-bench-families-") as root:
         for family in args.families:
@@ -264,10 +263,9 @@ def main() -> None:
     args = parser.parse_args()
     device = default_device()
     if args.families:
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        families = run_families(args, device)  # sets the threads that machine_load reports
         results = {"device": device, "lengths": args.lengths, "num_prompts": args.num_prompts,
-                   "machine": machine_load(), "families": run_families(args, device)}
+                   "machine": machine_load(), "families": families}
         print(f"\n{load_line(results['machine'])}")
         save_json(args.json, results)
         return

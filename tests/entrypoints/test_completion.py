@@ -5,7 +5,9 @@ stop strings, seeds, and the legacy guided_choice granite-io sends."""
 from __future__ import annotations
 
 import asyncio
+import json
 
+import httpx
 import pytest
 
 from tests.conftest import INVOCATION, INVOCATION_2
@@ -150,3 +152,19 @@ def test_stream_several_prompts_echo_and_n(client):
             texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert texts == {c.index: c.text for c in whole.choices}
     assert texts[0].startswith(PROMPT) and texts[3].startswith("one two three")
+
+
+def test_stream_lines_survive_unicode_line_separators(server):
+    # httpx's aiter_lines (and so many SDK wrappers) splits on everything str.splitlines() does;
+    # text holding U+2028 / U+0085 must not cut a server-sent event in two (found by the soak).
+    prompt = "one\u2028two\x85three\u2029four"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 2, "temperature": 0.0, "stream": True}
+    texts, events = [], 0
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events += 1
+                texts.append(json.loads(line[len("data: "):])["choices"][0]["text"])
+            else:
+                assert line == "" or line == "data: [DONE]", f"an event was split: {line!r}"
+    assert events >= 2 and "".join(texts).startswith(prompt)

@@ -195,9 +195,16 @@ class ChatCompletionStreamResponse(BaseModel):
     usage: Optional[UsageInfo] = None
 
 
+# Characters that str.splitlines() breaks on besides \r and \n. The SSE format ends lines only
+# at \r and \n, but common clients (httpx's aiter_lines, hence many SDK wrappers) split text
+# with splitlines(), so a sampled U+2028 inside a JSON string would cut the event in two.
+# JSON's \uXXXX escape carries the same character without the break.
+_SPLITLINES_ONLY = {ord(c): f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 def sse(chunk: BaseModel) -> str:
-    """One server-sent event carrying a stream chunk."""
-    return f"data: {chunk.model_dump_json()}\n\n"
+    """One server-sent event carrying a stream chunk, on one line for every line splitter."""
+    return f"data: {chunk.model_dump_json().translate(_SPLITLINES_ONLY)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -218,11 +218,14 @@ class OfflineRunner:
 
 # ------------------------------------------------------------------ online (openai client)
 class OnlineRunner:
-    def __init__(self, setup: Setup, url: str):
+    def __init__(self, setup: Setup, url: str, text_prompts: bool = False):
+        """`text_prompts`: send each prompt as its decoded text, not token ids (a router that
+        routes by prompt text, like vllm-router's cache_aware, needs the text)."""
         import openai
 
         self.setup = setup
         self.url = url
+        self.text_prompts = text_prompts
         self.client = openai.AsyncOpenAI(base_url=openai_base_url(url), api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
                                          timeout=3600, max_retries=0)
 
@@ -241,7 +244,8 @@ class OnlineRunner:
     async def call(self, mode, index, number, step, name, prompt, max_tokens, adapter) -> tuple[Call, str]:
         start = time.perf_counter()
         stream = await self.client.completions.create(
-            model=adapter or self.base, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            model=adapter or self.base, prompt=self.setup.tokenizer.decode(prompt) if self.text_prompts else prompt,
+            max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         ttft, text, usage = None, [], None
         async for chunk in stream:
@@ -308,7 +312,9 @@ class OnlineRunner:
             return run_rounds(self.setup.args, modes,
                               lambda mode, number, indices: loop.run_until_complete(self.round(mode, number, indices)),
                               bar)
-        finally:
+        finally:  # the client's connections and streams belong to this loop
+            loop.run_until_complete(self.client.close())
+            loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
 

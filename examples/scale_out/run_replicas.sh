@@ -11,6 +11,8 @@
 #                             text the router must have seen on a replica to send it there (see
 #                             docs/scale_out.md: 0.3, the router's default, loses long answers)
 #   THREADS_PER_REPLICA [ ]   --cpu-threads for each replica (CPU: give each its own cores)
+#   PIN_CORES [ ]             one `taskset -c` core list per replica, space-separated, e.g. "0 1" or
+#                             "0-3 4-7": replica i runs on the i-th list (needs taskset; Linux)
 #   LOG_DIR [./scale_out_logs] one log per replica and one for the router
 # Ctrl-C (or SIGTERM) stops the router and every replica.
 #
@@ -21,7 +23,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -* ]]; then
-    sed -n '2,20p' "$0" >&2
+    sed -n '2,22p' "$0" >&2
     exit 2
 fi
 MODEL="$1"; shift
@@ -35,6 +37,19 @@ fi
 if ! command -v vllm-router >/dev/null; then
     echo "run_replicas.sh: vllm-router is not installed (pip install vllm-router==0.1.17)" >&2
     exit 2
+fi
+
+PIN=()
+if [[ -n "${PIN_CORES:-}" ]]; then
+    read -r -a PIN <<<"$PIN_CORES"
+    if [[ ${#PIN[@]} -ne $N ]]; then
+        echo "run_replicas.sh: PIN_CORES needs one core list per replica ($N), got '${PIN_CORES}'" >&2
+        exit 2
+    fi
+    if ! command -v taskset >/dev/null; then
+        echo "run_replicas.sh: PIN_CORES needs taskset (util-linux), which is not installed" >&2
+        exit 2
+    fi
 fi
 
 PORT="${PORT:-8000}"
@@ -56,7 +71,9 @@ for i in $(seq 1 "$N"); do
     port=$((PORT + i))
     threads=()
     if [[ -n "${THREADS_PER_REPLICA:-}" ]]; then threads=(--cpu-threads "$THREADS_PER_REPLICA"); fi
-    vllm serve "$MODEL" --host 127.0.0.1 --port "$port" "${threads[@]}" "$@" >"$LOG_DIR/replica_$i.log" 2>&1 &
+    pin=()
+    if [[ ${#PIN[@]} -gt 0 ]]; then pin=(taskset -c "${PIN[$((i - 1))]}"); fi
+    "${pin[@]}" vllm serve "$MODEL" --host 127.0.0.1 --port "$port" "${threads[@]}" "$@" >"$LOG_DIR/replica_$i.log" 2>&1 &
     PIDS+=($!)
     URLS+=("http://127.0.0.1:$port")
     echo "replica $i: ${URLS[-1]} (log: $LOG_DIR/replica_$i.log)"

@@ -3,7 +3,10 @@
 What is checked:
 - every request is answered through the router: model listing, chat and completions, both
   streamed, health, and the load the `power_of_two` policy polls (`/get_load` on each replica);
-- an adapter loaded at run time on every replica is served through the router;
+- an adapter loaded at run time on every replica (examples/scale_out/load_adapter.py, on the
+  replicas the router lists) is served through the router, and unloaded from every replica;
+- the scale-out benchmark (benchmarks/scale_out.py --router) on these replicas: its text prompts
+  let cache_aware send every intrinsic home, and every request it sent is answered;
 - cache affinity of aLoRA intrinsics: a conversation's base turn, then the intrinsic (the same
   messages plus the answer and the invocation turn, `model` = the aLoRA) from several client
   threads at once. With `cache_aware` and the documented `--cache-threshold`, >= 95% of the
@@ -28,6 +31,7 @@ import httpx
 import openai
 import pytest
 
+from examples.scale_out.load_adapter import load_on_every_replica, router_replicas
 from tests.scale_out.utils import RouterProcess, requests_served, router_missing_reason, start_replicas
 
 pytestmark = pytest.mark.skipif(router_missing_reason() is not None, reason=str(router_missing_reason()))
@@ -155,23 +159,52 @@ def test_every_request_answered_through_router(replicas):
 
 
 def test_runtime_adapter_loaded_on_every_replica(replicas, adapters):
-    # The router forwards /v1/load_lora_adapter to one replica only: load it on each of them.
-    for replica in replicas:
-        body = {"lora_name": "certainty_rt", "lora_path": adapters[ADAPTER]}
-        assert httpx.post(replica.url + "/v1/load_lora_adapter", json=body).status_code == 200
-    try:
-        served_before = [requests_served(r) for r in replicas]
-        with RouterProcess([r.url for r in replicas], "round_robin") as router:
+    # The router forwards /v1/load_lora_adapter to one replica only: examples/scale_out/load_adapter.py
+    # posts it to each replica the router lists.
+    with pytest.raises(ValueError, match="no replica URLs"):
+        load_on_every_replica([], "certainty_rt", adapters[ADAPTER])
+    with RouterProcess([r.url for r in replicas], "round_robin") as router:
+        listed = router_replicas(router.url)
+        assert sorted(listed) == sorted(r.url for r in replicas)
+        assert load_on_every_replica(listed, "certainty_rt", adapters[ADAPTER]) == {url: "" for url in listed}
+        try:
+            served_before = [requests_served(r) for r in replicas]
             client, rnd = _client(router), random.Random(3)
             for _ in range(4):
                 result = client.chat.completions.create(model="certainty_rt",
                                                         messages=_intrinsic(_conversation(rnd), "Paris."),
                                                         max_tokens=2)
                 assert result.choices[0].message.content is not None
-        assert all(requests_served(r) - before >= 2 for r, before in zip(replicas, served_before))
-    finally:
-        for replica in replicas:
-            httpx.post(replica.url + "/v1/unload_lora_adapter", json={"lora_name": "certainty_rt"})
+            assert all(requests_served(r) - before >= 2 for r, before in zip(replicas, served_before))
+        finally:
+            unloaded = load_on_every_replica(listed, "certainty_rt", unload=True)
+        assert unloaded == {url: "" for url in listed}
+        assert "certainty_rt" not in {m.id for m in client.models.list().data}
+
+
+def test_scale_out_benchmark_on_running_router(replicas, llama_dir, tmp_path_factory):
+    # benchmarks/scale_out.py --router: text prompts through cache_aware, the adapters loaded on
+    # every replica and unloaded after; every intrinsic found its conversation's blocks.
+    from benchmarks import scale_out
+
+    adapter_dir = tmp_path_factory.mktemp("scale_out_adapters")  # under the replicas' --allowed-lora-root
+    conversations, intrinsics = 4, 1
+    with RouterProcess([r.url for r in replicas], "cache_aware", AFFINITY_ARGS) as router:
+        results = scale_out.main(["--model", llama_dir, "--router", router.url, "--load-adapters",
+                                  "--adapter-dir", str(adapter_dir), "--context-len", "96", "--answer-len", "8",
+                                  "--num-intrinsics", str(intrinsics), "--intrinsic-len", "2", "--rank", "8",
+                                  "--num-conversations", str(conversations), "--concurrency", "2",
+                                  "--json", str(adapter_dir / "run.json")])
+        served = _client(router).models.list().data
+    run = results["router"]
+    # The pipelines, and the router-side warm-up conversation, each a base turn and its intrinsics.
+    assert sum(run["served_per_replica"]) == (conversations + 1) * (1 + intrinsics)
+    intrinsic = [c for c in run["calls"] if c["step"] >= 1]
+    assert len(intrinsic) == conversations * intrinsics and all(c["output_tokens"] == 2 for c in intrinsic)
+    assert run["summary"]["intrinsic_calls_cached"] == 1.0
+    # The text sent re-encodes within --context-len (random ids can split a character).
+    assert all(c["prompt_tokens"] <= 96 for c in run["calls"] if c["step"] == 0)
+    assert not {m.id for m in served} & {"alora-certainty", "lora-certainty"}
 
 
 def test_intrinsics_follow_their_conversation(replicas):

@@ -29,12 +29,13 @@ def build_sampling_metadata(rows: list[CachedRequestState], vocab_size: int, dev
         max_num_logprobs=max(wanted) if wanted else None,
     )
     for j, (state, p) in enumerate(zip(rows, params)):
-        num_outputs = len(state.token_ids) - state.num_prompt_tokens
-        banned = set(p.all_stop_token_ids) if num_outputs < p.min_tokens else set()
-        if p.bad_words_token_ids:  # only then is the output so far needed
-            banned |= _bad_word_endings(p.bad_words_token_ids, state.output_token_ids)
-        if banned:
-            meta.banned_tokens[j] = sorted(banned)
+        if p.min_tokens or p.bad_words_token_ids:  # most rows have neither: no set built per row and step
+            num_outputs = len(state.token_ids) - state.num_prompt_tokens
+            banned = set(p.all_stop_token_ids) if num_outputs < p.min_tokens else set()
+            if p.bad_words_token_ids:  # only then is the output so far needed
+                banned |= _bad_word_endings(p.bad_words_token_ids, state.output_token_ids)
+            if banned:
+                meta.banned_tokens[j] = sorted(banned)
         if p.logit_bias:
             meta.logit_bias[j] = p.logit_bias
         if p.allowed_token_ids:

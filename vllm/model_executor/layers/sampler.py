@@ -6,6 +6,11 @@ and min-tokens masks, logit bias, penalties; greedy rows take the argmax; the ot
 apply temperature, min-p, top-k and top-p and draw with the exponential-race trick
 (argmax of p / q, q ~ Exp(1)), which lets seeded rows use their own generator.
 All row-wise parameters are tensors, so a batch is a handful of ops.
+
+q is drawn as -log(U), U ~ Uniform[0, 1) (an exact Exp(1) draw; U = 0 gives q = inf, a token
+that cannot win, with probability 2^-24 per entry): on the CPU torch's `exponential_` costs
+about 24 ns per entry, 75 ms for a batch of 64 rows over a 49k vocabulary, while `uniform_`
+and `log_` together cost about a fifth of that.
 """
 
 from __future__ import annotations
@@ -105,10 +110,11 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         if meta.top_p is not None:
             probs = _top_p(probs, meta.top_p)
-        q = torch.empty_like(probs).exponential_()
+        q = torch.empty_like(probs).uniform_()  # [N, V]
         for row, generator in meta.generators.items():
-            q[row].exponential_(generator=generator)
-        sampled = (probs / q).argmax(dim=-1)
+            q[row].uniform_(generator=generator)
+        q.log_().neg_()  # Exp(1)
+        sampled = probs.div_(q).argmax(dim=-1)  # probs is this function's own tensor
         return torch.where(meta.temperature > 0, sampled, greedy)
 
 

@@ -5,10 +5,18 @@ requests against base only. Each figure with its ratio to this machine's floor.
 
     python -m benchmarks.engine_steps                       # CPU, default ~135M model
     python -m benchmarks.engine_steps --granite-8b-dummy    # GPU (H200), Granite-3.3-8B shapes, bf16
+    python -m benchmarks.engine_steps --precision fp32 bf16 int8 int4 --figures decode prefill
+    python -m benchmarks.engine_steps --tiny --figures decode --decode-context 128  # the engine's own cost
 
 Floors (benchmarks.common.Floor): a decode step reads every weight once plus the KV of
 the batch at the measured copy bandwidth, or costs the batch's FLOPs at the measured
-matmul rate, whichever is slower; a prefill costs its FLOPs at the matmul rate.
+matmul rate, whichever is slower; a prefill costs its FLOPs at the matmul rate. A
+quantized model's weight bytes are its quantized linears plus the LM head, which stays in
+the model dtype (as benchmarks/quantization.py counts them).
+
+The batch-1 decode step is also split into the model's own work (the runner's forward and
+the LM head) and everything else the engine does per step (scheduling, building inputs,
+sampling, output processing and detokenizing): the per-step overhead, as a number.
 """
 
 from __future__ import annotations
@@ -20,8 +28,14 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
+import gc
 import tempfile
 import time
+from contextlib import nullcontext
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
 
 from benchmarks.common import (
     ALL_TARGETS,
@@ -30,7 +44,9 @@ from benchmarks.common import (
     conversation_ids,
     default_device,
     engine_dtype,
+    engine_kwargs,
     load_hf_config,
+    load_line,
     machine_load,
     print_table,
     resolve_model,
@@ -39,11 +55,85 @@ from benchmarks.common import (
     write_adapter_pair,
 )
 from vllm import LLM, SamplingParams
+from vllm.attention.layer import Attention
+from vllm.lora.layers import LinearWithLoRA
 from vllm.lora.request import LoRARequest
+from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.vocab_embedding import LMHead
+from vllm.platforms import cpu_has_native_bf16
+
+# --precision: (model dtype, quantization); the quantized ones on the --dtype model (default fp32).
+PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": (None, "int8"), "int4": (None, "int4")}
+FIGURES = ("decode", "prefill", "adapters")
+# What the decode and prefill figures time with: wall time, or (--clock cpu, one thread) this
+# process's CPU time, which a busy neighbour on a shared machine cannot inflate.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+# A decode step's parts, from ModelTimer.
+PARTS = {"linears": "linears + LM head", "attention": "attention (KV store + kernel)",
+         "other model": "other model ops + Python (norms, rotary, activations)",
+         "engine": "engine per-step overhead (schedule, inputs, sampling, outputs)"}
 
 
-def decode_step_seconds(llm: LLM, batch: int, context: int, device: str, lora_requests=None) -> float:
-    """Median wall time of a decode step with `batch` sequences of `context` tokens."""
+class ModelTimer:
+    """Inside engine steps, where the model's time goes: `seconds["model"]` (the runner's forward
+    and the LM head's `compute_logits`), and within it `seconds["linears"]` (every Linear, with
+    its LoRA when on, and the LM head: the weight reads) and `seconds["attention"]` (the
+    Attention layers: KV store and kernel). Wraps them on the instances while entered (an
+    instance attribute shadows a method), timed with `clock`."""
+
+    def __init__(self, llm: LLM, device: str):
+        self.runner = llm.llm_engine.engine_core.runner
+        self.device = device
+        modules = list(self.runner.model.modules())
+        # With LoRA on, the wrapper is timed (base product and adapter together), not its base
+        # layer, which it calls without going through the module.
+        wrapped = {id(m.base_layer) for m in modules if isinstance(m, LinearWithLoRA)}
+        self._timed_modules = [(m, "linears") for m in modules
+                               if isinstance(m, (Linear, LMHead, LinearWithLoRA)) and id(m) not in wrapped]
+        self._timed_modules += [(m, "attention") for m in modules if isinstance(m, Attention)]
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = {"model": 0.0, "linears": 0.0, "attention": 0.0}
+
+    def _timed(self, fn, part: str):
+        def call(*args, **kwargs):
+            sync(self.device)
+            start = clock()
+            out = fn(*args, **kwargs)
+            sync(self.device)
+            self.seconds[part] += clock() - start
+            return out
+
+        return call
+
+    def __enter__(self) -> "ModelTimer":
+        model = self.runner.model
+        self._saved = (self.runner._forward, model.compute_logits)
+        self.runner._forward = self._timed(self.runner._forward, "model")
+        model.compute_logits = self._timed(model.compute_logits, "model")
+        for module, part in self._timed_modules:
+            module.forward = self._timed(module.forward, part)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runner._forward, self.runner.model.compute_logits = self._saved
+        for module, _ in self._timed_modules:
+            del module.forward
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def decode_step_seconds(llm: LLM, batch: int, context: int, device: str, lora_requests=None,
+                        split: Optional[dict[str, list[float]]] = None) -> float:
+    """Median time (`clock`: wall unless --clock cpu) of a decode step with `batch` sequences of
+    `context` tokens. With `split`, each timed step's parts are appended to its lists:
+    ModelTimer's, "step", "engine" (the step minus the model) and "other model" (the model
+    minus linears and attention)."""
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -57,14 +147,21 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, device: str, lora_re
     while any(len(o.outputs[0].token_ids) == 0 for o in engine.step()) or _prefilling(engine):
         pass  # run the prefills (and the first token) before timing decode
     times = []
-    while engine.has_unfinished_requests():
-        sync(device)
-        start = time.perf_counter()
-        engine.step()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    with ModelTimer(llm, device) if split is not None else nullcontext() as timer:
+        while engine.has_unfinished_requests():
+            if timer is not None:
+                timer.reset()
+            sync(device)
+            start = clock()
+            engine.step()
+            sync(device)
+            times.append(clock() - start)
+            if timer is not None:
+                parts = dict(timer.seconds, engine=times[-1] - timer.seconds["model"], step=times[-1])
+                parts["other model"] = parts["model"] - parts["linears"] - parts["attention"]
+                for part, seconds in parts.items():
+                    split.setdefault(part, []).append(seconds)
+    return median(times)
 
 
 def _prefilling(engine) -> bool:
@@ -84,23 +181,90 @@ def ttft(llm: LLM, prompt: list[int], lora: LoRARequest | None) -> tuple[float, 
     return out.metrics.time_to_first_token, out.num_cached_tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
-    parser.add_argument("--context", type=int, default=2048, help="conversation / prefill tokens")
-    parser.add_argument("--decode-context", type=int, default=512, help="context of the decode-step batches")
-    parser.add_argument("--invocation-len", type=int, default=16)
-    parser.add_argument("--rank", type=int, default=16)
-    args = parser.parse_args()
-    device = default_device()
-    model_dir, kwargs = resolve_model(args)
+def tiny_checkpoint(root: str) -> str:
+    """The tests' tiny Llama (2 layers, hidden 64) and tokenizer: a model whose forward costs
+    almost nothing, so a step is mostly the engine's own work."""
+    from tests.utils.checkpoints import make_checkpoint
+
+    return make_checkpoint(os.path.join(root, "tiny-llama"), "llama")
+
+
+def precision_floor(llm: LLM, hf_config, dtype: torch.dtype, quantization: Optional[str], device: str) -> Floor:
+    """The floor on this machine; a quantized model reads its quantized linears and the LM head."""
+    import benchmarks.common as common
+
+    # Floor's timings read common.time.perf_counter: under --clock cpu they read this clock too,
+    # so a figure and its floor are measured alike.
+    saved, common.time = common.time, SimpleNamespace(perf_counter=clock)
+    try:
+        floor = Floor(hf_config, dtype, device)
+    finally:
+        common.time = saved
+    if quantization is not None:
+        from benchmarks.quantization import linear_weight_bytes, lm_head_bytes
+
+        floor.bytes = float(linear_weight_bytes(llm) + lm_head_bytes(llm))
+    return floor
+
+
+def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, device: str) -> tuple[list, dict]:
+    """Every asked figure for one precision: (table rows, JSON results)."""
+    dtype_name, quantization = PRECISIONS[precision] if precision else (None, None)
+    kwargs = dict(kwargs)
+    if dtype_name is not None:
+        kwargs["dtype"] = dtype_name
+    if quantization is not None:
+        kwargs["quantization"] = quantization
     hf_config = load_hf_config(model_dir)
-    dtype = engine_dtype(args)
-    root = tempfile.mkdtemp(prefix="vllm-engine-steps-")
-    llm = LLM(model_dir, max_model_len=max(4096, args.context + 64), enable_lora=True, max_loras=4,
-              max_lora_rank=args.rank, **kwargs)
+    dtype = getattr(torch, kwargs["dtype"]) if "dtype" in kwargs else engine_dtype(args)
+    adapters = "adapters" in args.figures
+    lora_kwargs = dict(enable_lora=True, max_loras=4, max_lora_rank=args.rank) if adapters else {}
+    max_len = max([4096, args.context + 64, *(n + 64 for n in args.prefill_lengths)])
+    llm = LLM(model_dir, max_model_len=min(max_len, hf_config.max_position_embeddings), **lora_kwargs, **kwargs)
+    floor = precision_floor(llm, hf_config, dtype, quantization, device)
+    rows, results = [], {"floor": floor.as_dict()}
+
+    def add(name: str, seconds: float, floor_seconds: Optional[float]) -> None:
+        ratio = f"{seconds / floor_seconds:.2f}" if floor_seconds else ""
+        rows.append((name, f"{seconds * 1000:.2f}", f"{floor_seconds * 1000:.2f}" if floor_seconds else "", ratio))
+        results[name] = {"ms": seconds * 1000, "floor_ms": floor_seconds * 1000 if floor_seconds else None}
+
+    def decode_floor(batch: int) -> float:
+        """Weights and the batch's KV read once, or the batch's FLOPs, whichever is slower."""
+        return floor.decode_seconds([args.decode_context] * batch)
+
+    if "decode" in args.figures:
+        for batch in args.batches:
+            split: dict[str, list[float]] = {}
+            step = decode_step_seconds(llm, batch, args.decode_context, device, split=split)
+            add(f"decode step, batch {batch} ({args.decode_context} ctx)", step, decode_floor(batch))
+            # The parts of the steps at or below the median step (a step a neighbour preempted
+            # puts its delay in a random part): their means add up to those steps' mean.
+            calm = [i for i, t in enumerate(split["step"]) if t <= step]
+            calm_step = sum(split["step"][i] for i in calm) / len(calm)
+            for part, what in PARTS.items():
+                seconds = sum(split[part][i] for i in calm) / len(calm)
+                add(f"  {what} ({100 * seconds / calm_step:.0f}%)", seconds, None)
     tokenizer = llm.get_tokenizer()
     vocab = llm.llm_engine.model_config.vocab_size
+    if "prefill" in args.figures:
+        for length in args.prefill_lengths:
+            llm.llm_engine.engine_core.reset_prefix_cache()
+            seconds, _ = timed_ttft(llm, conversation_ids(tokenizer, vocab, length, seed=1), None)
+            add(f"prefill {length} tokens", seconds, floor.seconds(length))
+    if adapters:
+        adapter_figures(args, llm, hf_config, dtype, floor, add, device)
+    del llm
+    gc.collect()
+    return rows, results
+
+
+def adapter_figures(args, llm: LLM, hf_config, dtype: torch.dtype, floor: Floor, add, device: str) -> None:
+    """aLoRA and plain-LoRA time to first token after a base conversation, and decode of a
+    batch mixing base, LoRA and aLoRA requests against base only."""
+    tokenizer = llm.get_tokenizer()
+    vocab = llm.llm_engine.model_config.vocab_size
+    root = tempfile.mkdtemp(prefix="vllm-engine-steps-")
     # A 16-token invocation: a special-token start, then ordinary tokens.
     invocation = tokenizer.encode("<|im_start|>", add_special_tokens=False)
     invocation += conversation_ids(tokenizer, vocab, args.invocation_len + 8, seed=7)[-args.invocation_len:]
@@ -109,44 +273,80 @@ def main() -> None:
     alora, lora = LoRARequest("alora-certainty", 1, alora_dir), LoRARequest("lora-certainty", 2, lora_dir)
     for adapter in (alora, lora):  # loaded and run once, so no timed call pays for reading an adapter
         ttft(llm, conversation_ids(tokenizer, vocab, 64, seed=3) + invocation, adapter)
-    floor = Floor(hf_config, dtype, device)
-    rows, results = [], {"device": device, "machine": machine_load(), "floor": floor.as_dict()}
-
-    def add(name: str, seconds: float, floor_seconds: float) -> None:
-        rows.append((name, f"{seconds * 1000:.2f}", f"{floor_seconds * 1000:.2f}", f"{seconds / floor_seconds:.2f}"))
-        results[name] = {"ms": seconds * 1000, "floor_ms": floor_seconds * 1000}
-
-    decode_context = args.decode_context
-
-    def decode_floor(batch: int) -> float:
-        """Weights and the batch's KV read once, or the batch's FLOPs, whichever is slower."""
-        return floor.decode_seconds([decode_context] * batch)
-
-    for batch in (1, 64):
-        step = decode_step_seconds(llm, batch, decode_context, device)
-        add(f"decode step, batch {batch} ({decode_context} ctx)", step, decode_floor(batch))
-
     conversation = conversation_ids(tokenizer, vocab, args.context, seed=1)
     llm.llm_engine.engine_core.reset_prefix_cache()
-    seconds, _ = ttft(llm, conversation, None)
+    seconds, _ = timed_ttft(llm, conversation, None)
     add(f"prefill {args.context} tokens (base turn)", seconds, floor.seconds(args.context))
     prompt = conversation + invocation
-    alora_ttft, cached = ttft(llm, prompt, alora)
+    alora_ttft, cached = timed_ttft(llm, prompt, alora)
     add(f"aLoRA TTFT after the base turn ({cached} cached)", alora_ttft, floor.seconds(len(prompt) - cached, cached))
-    lora_ttft, _ = ttft(llm, prompt, lora)
+    lora_ttft, _ = timed_ttft(llm, prompt, lora)
     add("plain-LoRA TTFT, same conversation", lora_ttft, floor.seconds(len(prompt)))
 
     mixed = AdapterRequests([None, lora, alora])
     mixed.invocation = invocation
-    base_step = decode_step_seconds(llm, 63, decode_context, device)
-    mixed_step = decode_step_seconds(llm, 63, decode_context, device, mixed)
-    add("decode step, 63 base", base_step, decode_floor(63))
-    add("decode step, 21 base + 21 LoRA + 21 aLoRA", mixed_step, decode_floor(63))
-    print_table(f"Engine end to end, {device}, {hf_config.architectures[0]} {str(dtype).removeprefix('torch.')}",
-                rows, ("figure", "ms", "floor ms", "x floor"))
+    base_step = decode_step_seconds(llm, 63, args.decode_context, device)
+    mixed_step = decode_step_seconds(llm, 63, args.decode_context, device, mixed)
+    add("decode step, 63 base", base_step, floor.decode_seconds([args.decode_context] * 63))
+    add("decode step, 21 base + 21 LoRA + 21 aLoRA", mixed_step, floor.decode_seconds([args.decode_context] * 63))
     print(f"aLoRA TTFT is {lora_ttft / alora_ttft:.1f}x lower than plain LoRA's; "
           f"mixed-adapter decode throughput is {base_step / mixed_step:.2f} of base-only")
-    results.update(alora_vs_lora_ttft=lora_ttft / alora_ttft, mixed_vs_base_decode=base_step / mixed_step)
+
+
+def timed_ttft(llm: LLM, prompt: list[int], lora: Optional[LoRARequest]) -> tuple[float, int]:
+    """ttft's figure; under --clock cpu the CPU time of the whole call instead (one token out),
+    since the request's own metric is wall time."""
+    if clock is CLOCKS["wall"]:
+        return ttft(llm, prompt, lora)
+    start = clock()
+    _, cached = ttft(llm, prompt, lora)
+    return clock() - start, cached
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny 2-layer Llama instead of --model")
+    parser.add_argument("--precision", nargs="+", default=None, choices=list(PRECISIONS),
+                        help="one table per precision (default: the --dtype / engine default only); int8 and "
+                             "int4 quantize the --dtype model at load (quantization=)")
+    parser.add_argument("--figures", nargs="+", default=list(FIGURES), choices=FIGURES,
+                        help="decode: decode steps (batch 1 split into model and engine time); prefill: "
+                             "--prefill-lengths; adapters: aLoRA/LoRA TTFT and mixed-adapter decode")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 64], help="decode-step batch sizes")
+    parser.add_argument("--context", type=int, default=2048, help="conversation tokens (adapters figures)")
+    parser.add_argument("--prefill-lengths", nargs="+", type=int, default=[2048], help="prefill lengths to time")
+    parser.add_argument("--decode-context", type=int, default=512, help="context of the decode-step batches")
+    parser.add_argument("--invocation-len", type=int, default=16)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="decode/prefill and their floors timed in wall time or in CPU time (with "
+                             "--threads 1: immune to a busy machine)")
+    args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu needs --threads 1 (the CPU time of several threads adds up)")
+    global clock
+    clock = CLOCKS[args.clock]
+    if args.precision and args.dtype and any(PRECISIONS[p][0] for p in args.precision):
+        parser.error("--dtype only sets the model dtype of int8/int4; fp32 and bf16 in --precision set their own")
+    device = default_device()
+    if args.tiny:
+        kwargs = engine_kwargs(args)
+        model_dir = tiny_checkpoint(tempfile.mkdtemp(prefix="vllm-engine-steps-tiny-"))
+    else:
+        model_dir, kwargs = resolve_model(args)
+    name = load_hf_config(model_dir).architectures[0] + (" (tiny)" if args.tiny else "")
+    results = {"device": device, "machine": machine_load(), "model": name, "clock": args.clock}
+    for precision in args.precision or [None]:
+        rows, results[precision or "default"] = run_precision(args, precision, model_dir, kwargs, device)
+        label = precision or str(engine_dtype(args)).removeprefix("torch.")
+        if precision == "bf16" and device == "cpu" and not cpu_has_native_bf16():
+            label += " (emulated: this CPU has neither AVX512-BF16 nor AMX)"
+        print_table(f"Engine end to end, {device}, {name} {label}, {torch.get_num_threads()} threads, "
+                    f"{args.clock} time",
+                    rows, ("figure", "ms", "floor ms", "x floor"))
+    results["machine_after"] = machine_load()
+    print(f"{load_line(results['machine'])}; after: {load_line(results['machine_after'])}")
     save_json(args.json, results)
 
 

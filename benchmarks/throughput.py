@@ -6,6 +6,7 @@ machine's measured matmul rate on the model's own shapes.
     python -m benchmarks.throughput --lengths longtail            # chat-like long-tailed lengths
     python -m benchmarks.throughput --granite-8b-dummy            # GPU, Granite-3.3-8B shapes, random bf16 weights
     python -m benchmarks.throughput --families mixtral gemma2     # tiny random MoE and Gemma 2 checkpoints
+    python -m benchmarks.throughput --precision int4              # our engine on int4 weights (transformers: fp32)
 
 `--families` builds a small random checkpoint per family (written with transformers'
 `save_pretrained` next to the test tokenizer, like tests/utils/checkpoints.py), runs
@@ -50,6 +51,7 @@ from benchmarks.common import (
     save_json,
     sync,
 )
+from benchmarks.engine_steps import PRECISIONS
 from vllm import LLM, SamplingParams
 
 
@@ -260,7 +262,12 @@ def main() -> None:
                         help="--families: experts per MoE layer and experts per token")
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 8, 64, 512],
                         help="--families: batch sizes (tokens) the MoE layer is timed at")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
+                        help="our engine's precision (int8/int4: quantized at load, on the --dtype model); "
+                             "transformers runs the checkpoint in the model dtype")
     args = parser.parse_args()
+    if args.precision and args.dtype and PRECISIONS[args.precision][0]:
+        parser.error("--precision fp32/bf16 sets the dtype itself; --dtype goes with int8/int4 only")
     device = default_device()
     if args.families:
         families = run_families(args, device)  # sets the threads that machine_load reports
@@ -270,6 +277,12 @@ def main() -> None:
         save_json(args.json, results)
         return
     model_dir, kwargs = resolve_model(args)
+    if args.precision:
+        dtype, quantization = PRECISIONS[args.precision]
+        if dtype:
+            kwargs["dtype"] = dtype
+        if quantization:
+            kwargs["quantization"] = quantization
     if args.granite_8b_dummy:
         args.no_hf = True  # random weights: transformers would need its own 16 GB copy
     llm = LLM(model_dir, max_model_len=max(4096, args.prefill_len + 16), **kwargs)
@@ -277,7 +290,7 @@ def main() -> None:
     prompts = random_prompts(config.vocab_size, args.num_prompts, tuple(args.input_len), tuple(args.output_len),
                              lengths=args.lengths)
     results = {"device": device, "model": model_dir, "lengths": args.lengths, "num_prompts": len(prompts),
-               "machine": machine_load()}
+               "precision": args.precision, "machine": machine_load()}
     results.update(compare_with_transformers(llm, model_dir, prompts, args, device))
 
     seconds, achieved, peak = prefill_rate(llm, args.prefill_len, device)

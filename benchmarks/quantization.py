@@ -3,6 +3,8 @@ batch-1 decode step against its floor (those bytes and the LM head's, which stay
 dtype, read once at the measured copy bandwidth),
 and agreement with the fp32 model (greedy tokens on a fixed prompt set, mean |logprob|
 difference of the prompt tokens, teacher-forced so one early divergence does not decide it).
+Quantized layers round activations to int8 per block of 32 (see quantization.py) on every
+path, so the teacher-forced prefill measures the same numerics the decodes run.
 
     python -m benchmarks.quantization                 # the packaged SmolLM2-135M-Instruct
     python -m benchmarks.quantization --model DIR --precisions float32 int8 int4
@@ -76,6 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     model_dir, kwargs = resolve_model(args)
     kwargs.pop("dtype", None)
+    start_load = os.getloadavg()[0]  # others' work on the machine slows every figure: print it
     bandwidth = measured_bandwidth("cpu")
     rows, results, reference = [], {}, None
     for precision in ["float32"] + [p for p in args.precisions if p != "float32"]:
@@ -99,7 +102,8 @@ def main() -> None:
         gc.collect()
     print_table(f"Weight-only quantization, {os.path.basename(model_dir.rstrip('/'))}, batch-1 decode at "
                 f"{CONTEXT} tokens of context, {torch.get_num_threads()} threads, copy bandwidth "
-                f"{bandwidth / 1e9:.1f} GB/s",
+                f"{bandwidth / 1e9:.1f} GB/s, load average {start_load:.1f} at the start, "
+                f"{os.getloadavg()[0]:.1f} at the end",
                 rows, ("precision", "linear weights MiB", "decode step ms", "floor ms", "vs floor",
                        "greedy = fp32", "mean |dlogprob|"))
     save_json(args.json, {"results": results, "machine_load": machine_load()})

@@ -1,34 +1,226 @@
 /*
- * Weight-only quantized linear layers on the CPU: int8 and int4 weights with one fp32 scale per
- * group of `group` input features, activations in fp32. Built and loaded by
- * vllm/model_executor/layers/quantization.py through vllm/native_build.py.
+ * Weight-only quantized linear layers on the CPU for few rows of x (decodes, short chunks): int8
+ * and int4 weights with one fp32 scale per group of `group` input features, activations rounded
+ * to int8 per block of 32 (GGUF Q8_0's scheme), integer dot products, fp32 accumulation. Built and
+ * loaded by vllm/model_executor/layers/quantization.py through vllm/native_build.py.
  *
- * Semantics (identical to quantization.py's `dequantize` followed by a matmul):
- *   int8:  W[n, k] = scales[n, k / group] * qweight[n, k]                 qweight int8 [N, K]
- *   int4:  within each group of 32 (GGUF Q4_0's block layout; group is a multiple of 32),
- *          byte j of block b of row n holds element 32 b + j in its low nibble and element
- *          32 b + j + 16 in its high nibble, both stored as q + 8 with q in [-8, 7]:
- *          W[n, k] = scales[n, k / group] * (nibble - 8)                   qweight uint8 [N, K / 2]
- *   out[m, n] = sum_k x[m, k] * W[n, k]                                    out fp32 [M, N]
+ * Semantics (quantization.py's `reference_linear` computes the same in torch):
+ *   weights:
+ *     int8:  wq[n, k] = qweight[n, k]                                       qweight int8 [N, K]
+ *     int4:  within each block of 32 (GGUF Q4_0's block layout; group is a multiple of 32),
+ *            byte j of block b of row n holds element 32 b + j in its low nibble and element
+ *            32 b + j + 16 in its high nibble, both stored as q + 8:
+ *            wq[n, k] = nibble - 8 in [-8, 7]                               qweight uint8 [N, K / 2]
+ *     ws[n, k] = scales[n, k / group]                                       scales fp32 [N, K / group]
+ *   activations, per row m and block b of 32 input features (the last block may be shorter):
+ *     xs[m, b] = max_k |x[m, k]| / 127,  xq[m, k] = round_half_even(x[m, k] * (1 / xs[m, b]))
+ *     (both fp32, 1 / xs taken as 0 for an all-zero block), clamped to [-127, 127]
+ *   out[m, n] = sum_k xs[m, k / 32] * ws[n, k] * xq[m, k] * wq[n, k]        out fp32 [M, N]
+ *     computed as integer sums over each run of k sharing a block and a weight group, each
+ *     scaled once and added in fp32: equal to the formula up to fp32 rounding of those terms.
  *
- * Shapes: x fp32 [M, K] contiguous; scales fp32 [N, K / group] contiguous; K a multiple of
- * group. Checked before any work.
+ * Shapes: x fp32 [M, K] contiguous; K a multiple of group. Checked before any work.
  *
- * Work split: at::parallel_for over output features; for each (row of x, output feature) the
- * group's products are summed in fp32 straight from the packed bytes (widened in registers,
- * no dequantized copy), then scaled once per group. The weight row stays in L1 across the
- * few rows of x this kernel is used for, so weight bytes come from memory once per call.
- * Sums run in a fixed order per (m, n): results do not depend on the thread count.
+ * Vector path (AVX2 + FMA, the compiler targeting them through -march=native): a block of 32
+ * weights meets 32 int8 activations in _mm256_maddubs_epi16 + _mm256_madd_epi16 (unsigned x
+ * signed bytes), or one vpdpbusd where the compiler targets AVX512-VNNI or AVX-VNNI. int8: |w|
+ * against x with w's sign, so w = -128 from a GGUF file stays exact; int4: the stored nibbles
+ * (q + 8, unsigned) against x, less 8 x summed once per block of x. Each int32 lane holds 4
+ * consecutive products, so lanes 0-3 are features 0-15 and lanes 4-7 features 16-31: groups of
+ * 16 (GGUF Q6_K's) get one scale per half. Other groups (not 16, not a multiple of 32, not one
+ * per row) and a last short block take the scalar path, which does the same integer math and is
+ * the whole kernel where AVX2 is absent.
+ *
+ * Work split: x is quantized once per call, then at::parallel_for over output features, in
+ * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call
+ * and stays in L1 across the few rows of x. Sums run in a fixed order per (m, n): results do not
+ * depend on the thread count.
+ *
+ * `round_activations` writes x' = xs * xq (fp32) for the torch path, which multiplies it by
+ * dequantized weight tiles for many rows: one pass over x instead of torch's several.
  */
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VLLM_QUANT_AVX2 1
+#endif
+
+// The op namespace; a test builds this file a second time without AVX2 under another name.
+#ifndef VLLM_QUANT_OPS
+#define VLLM_QUANT_OPS vllm_quant
+#endif
 
 namespace {
 
-constexpr int64_t kQ4Block = 32;
+constexpr int64_t kBlock = 32;  // activation block, and the int4 packing block
+constexpr int kRowTile = 4;     // weight rows the vector path runs side by side
+
+// One row of x -> xq [K] and xs [ceil(K / 32)], as the header states.
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* xs) {
+  int64_t k0 = 0, b = 0;
+#ifdef VLLM_QUANT_AVX2
+  for (; k0 + kBlock <= K; k0 += kBlock, ++b) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + k0 + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.f;
+    const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    xs[b] = d;
+    // cvtps rounds half to even (the default MXCSR mode). |x * inv| exceeds 127 only where d is
+    // subnormal and inexact: the clamp keeps the scalar path's values there. The packs
+    // interleave 128-bit lanes; the permute restores feature order.
+    const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[i], inv), lo), hi));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + k0),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+#endif
+  for (; k0 < K; k0 += kBlock, ++b) {
+    const int64_t len = std::min(kBlock, K - k0);
+    float amax = 0.f;
+    for (int64_t j = 0; j < len; ++j) amax = std::max(amax, std::fabs(x[k0 + j]));
+    const float d = amax / 127.f;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    xs[b] = d;
+    for (int64_t j = 0; j < len; ++j) {
+      const float r = std::nearbyint(x[k0 + j] * inv);  // default rounding mode: half to even
+      xq[k0 + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+    }
+  }
+}
+
+// Weight value k of row `row` (int8: the byte; int4: its nibble minus 8).
+template <bool kInt4>
+inline int32_t weight_at(const uint8_t* row, int64_t k) {
+  if constexpr (kInt4) {
+    const uint8_t byte = row[(k / kBlock) * (kBlock / 2) + (k % kBlock) % (kBlock / 2)];
+    return static_cast<int32_t>((k % kBlock) < kBlock / 2 ? byte & 0x0F : byte >> 4) - 8;
+  } else {
+    return static_cast<int8_t>(row[k]);
+  }
+}
+
+// Features [k_begin, K) of one (m, n) pair, one integer sum per run sharing a block and a group.
+template <bool kInt4>
+float dot_scalar(const uint8_t* row, const float* ws, const int8_t* xq, const float* xs, int64_t k_begin, int64_t K,
+                 int64_t group) {
+  float total = 0.f;
+  int64_t k = k_begin;
+  while (k < K) {
+    const int64_t b = k / kBlock, g = k / group;
+    const int64_t end = std::min({(b + 1) * kBlock, (g + 1) * group, K});
+    int32_t isum = 0;
+    for (; k < end; ++k) isum += static_cast<int32_t>(xq[k]) * weight_at<kInt4>(row, k);
+    total += xs[b] * ws[g] * static_cast<float>(isum);
+  }
+  return total;
+}
+
+#ifdef VLLM_QUANT_AVX2
+// 8 int32 lanes, lane i = sum of the products of bytes 4i..4i+3 of u (unsigned) and s (signed).
+// Pairs of products must fit int16, as they do for every caller: 2 * 128 * 127 < 32768.
+inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// What block_dot subtracts from int4 sums, per block of x: 8 times x, as lanes (0 for int8).
+template <bool kInt4>
+inline __m256i block_bias(__m256i x) {
+  if constexpr (kInt4) return dot_u8_s8(_mm256_set1_epi8(8), x);
+  return _mm256_setzero_si256();
+}
+
+// Block b of a weight row against a block of x: int32 lanes as dot_u8_s8 lays them out.
+//   int8: |w| against x with w's sign, so w = -128 (possible in a GGUF file) stays exact.
+//   int4: the stored nibbles q + 8 go straight in as the unsigned operand; 8 x comes off after.
+template <bool kInt4>
+inline __m256i block_dot(const uint8_t* row, int64_t b, __m256i x, __m256i x_bias) {
+  if constexpr (kInt4) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (kBlock / 2)));
+    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                             _mm256_set1_epi8(0x0F));  // [low nibbles (0-15), high (16-31)]
+    return _mm256_sub_epi32(dot_u8_s8(nibbles, x), x_bias);
+  } else {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
+    return dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));  // |-128| reads as unsigned 128
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Full blocks [0, nfull) of rows n .. n + kRows - 1 against one row of x: out[r] = their sums.
+// Several weight rows share each load of x and keep independent accumulators in flight.
+// group is 16, a multiple of 32, or K.
+template <bool kInt4, int kRows>
+void dot_blocks(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t G, const int8_t* xq,
+                const float* xs, int64_t nfull, int64_t group, float* out) {
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  if (group == 16) {
+    for (int64_t b = 0; b < nfull; ++b) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+      const __m256i x_bias = block_bias<kInt4>(x);
+      const __m256 x_scale = _mm256_broadcast_ss(xs + b);
+      for (int r = 0; r < kRows; ++r) {
+        const float* wsr = ws + r * G + 2 * b;  // the two halves' weight scales
+        const __m256 d = _mm256_mul_ps(x_scale, _mm256_set_m128(_mm_broadcast_ss(wsr + 1), _mm_broadcast_ss(wsr)));
+        const __m256i s = block_dot<kInt4>(rows + r * row_bytes, b, x, x_bias);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
+      }
+    }
+  } else {
+    // Blocks per group: whole groups of 32-blocks, or every full block when one group spans K.
+    const int64_t per_group = group % kBlock == 0 ? group / kBlock : nfull;
+    for (int64_t b0 = 0, g = 0; b0 < nfull; b0 += per_group, ++g) {
+      const int64_t b_end = std::min(nfull, b0 + per_group);
+      // The group's blocks scaled by x's scales, then once by the weight scale: one multiply less
+      // per block where a group spans many blocks (int8 per channel).
+      __m256 group_acc[kRows];
+      for (int r = 0; r < kRows; ++r) group_acc[r] = _mm256_setzero_ps();
+      for (int64_t b = b0; b < b_end; ++b) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+        const __m256i x_bias = block_bias<kInt4>(x);
+        const __m256 x_scale = _mm256_broadcast_ss(xs + b);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i s = block_dot<kInt4>(rows + r * row_bytes, b, x, x_bias);
+          group_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), x_scale, group_acc[r]);
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        acc[r] = _mm256_fmadd_ps(group_acc[r], _mm256_broadcast_ss(ws + r * G + g), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);
+}
+#endif
 
 void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   int64_t group, int64_t k_per_row_byte) {
@@ -46,78 +238,98 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               "out must be contiguous fp32 [M, N]");
 }
 
+template <bool kInt4>
+void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                  int64_t group) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
+  const int64_t row_bytes = qweight.size(1), nblocks = (K + kBlock - 1) / kBlock;
+  std::vector<int8_t> xq(M * K);        // [M, K]
+  std::vector<float> xs(M * nblocks);   // [M, ceil(K / 32)]
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, xq.data() + m * K, xs.data() + m * nblocks);
+#ifdef VLLM_QUANT_AVX2
+  const bool vector = group == 16 || group % kBlock == 0 || G == 1;  // what dot_blocks handles
+  const int64_t k_vector = vector ? (K / kBlock) * kBlock : 0;  // features the vector path covers
+#else
+  const int64_t k_vector = 0;
+#endif
+  const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+#ifdef VLLM_QUANT_AVX2
+    // Tiles of four weight rows (then single rows) against every row of x: the tile stays in
+    // L1 while the rows of x pass over it.
+    const auto tile = [&](auto rows_tag) {
+      constexpr int kRows = decltype(rows_tag)::value;
+      for (int64_t m = 0; m < M; ++m)
+        dot_blocks<kInt4, kRows>(qp + n * row_bytes, row_bytes, sp + n * G, G, xq.data() + m * K,
+                                 xs.data() + m * nblocks, k_vector / kBlock, group, op + m * N + n);
+    };
+    if (k_vector > 0) {
+      for (; n + kRowTile <= end; n += kRowTile) tile(std::integral_constant<int, kRowTile>());
+      for (; n < end; ++n) tile(std::integral_constant<int, 1>());
+    }
+#endif
+    for (; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) op[m * N + n] = 0.f;
+    if (k_vector < K) {
+      for (n = begin; n < end; ++n)
+        for (int64_t m = 0; m < M; ++m)
+          op[m * N + n] += dot_scalar<kInt4>(qp + n * row_bytes, sp + n * G, xq.data() + m * K,
+                                             xs.data() + m * nblocks, k_vector, K, group);
+    }
+  });
+}
+
+// out = x' (xs * xq per element, fp32) for the torch path's dense matmuls, one pass over x.
+void round_activations(const at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes(),
+              "out must be contiguous fp32 shaped as x");
+  const int64_t M = x.size(0), K = x.size(1), nblocks = (K + kBlock - 1) / kBlock;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> xq(K);
+    std::vector<float> xs(nblocks);
+    for (int64_t m = begin; m < end; ++m) {
+      quantize_row(xp + m * K, K, xq.data(), xs.data());
+      float* o = op + m * K;
+      for (int64_t k0 = 0, b = 0; k0 < K; k0 += kBlock, ++b) {
+        const int64_t len = std::min(kBlock, K - k0);
+        for (int64_t j = 0; j < len; ++j) o[k0 + j] = static_cast<float>(xq[k0 + j]) * xs[b];
+      }
+    }
+  });
+}
+
 void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        int64_t group) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "int8 qweight must be int8");
   check_inputs(out, x, qweight, scales, group, 1);
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = qweight.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xr = xp + m * K;
-        float total = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const int8_t* q = qp + n * K + g * group;
-          const float* xg = xr + g * group;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t j = 0; j < group; ++j) acc += xg[j] * static_cast<float>(q[j]);
-          total += sp[n * G + g] * acc;
-        }
-        op[m * N + n] = total;
-      }
-    }
-  });
+  quant_linear<false>(out, x, qweight, scales, group);
 }
 
 void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        int64_t group) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "int4 qweight must be uint8 (two values per byte)");
-  TORCH_CHECK(group % kQ4Block == 0, "int4 group (", group, ") must be a multiple of 32");
+  TORCH_CHECK(group % kBlock == 0, "int4 group (", group, ") must be a multiple of 32");
   check_inputs(out, x, qweight, scales, group, 2);
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
-  constexpr int64_t kHalf = kQ4Block / 2;
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* row = qp + n * (K / 2);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xr = xp + m * K;
-        float total = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          float acc = 0.f;
-          for (int64_t b = g * group; b < (g + 1) * group; b += kQ4Block) {
-            const uint8_t* q = row + b / 2;
-            const float* xb = xr + b;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t j = 0; j < kHalf; ++j) {
-              acc += xb[j] * static_cast<float>(static_cast<int>(q[j] & 0x0F) - 8) +
-                     xb[j + kHalf] * static_cast<float>(static_cast<int>(q[j] >> 4) - 8);
-            }
-          }
-          total += sp[n * G + g] * acc;
-        }
-        op[m * N + n] = total;
-      }
-    }
-  });
+  quant_linear<true>(out, x, qweight, scales, group);
 }
 
 }  // namespace
 
-TORCH_LIBRARY(vllm_quant, m) {
+TORCH_LIBRARY(VLLM_QUANT_OPS, m) {
   m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group) -> ()");
   m.def("linear_int4(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group) -> ()");
+  m.def("round_activations(Tensor(a!) out, Tensor x) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(vllm_quant, CPU, m) {
+TORCH_LIBRARY_IMPL(VLLM_QUANT_OPS, CPU, m) {
   m.impl("linear_int8", TORCH_FN(quant_linear_int8));
   m.impl("linear_int4", TORCH_FN(quant_linear_int4));
+  m.impl("round_activations", TORCH_FN(round_activations));
 }

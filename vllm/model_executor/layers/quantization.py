@@ -1,5 +1,6 @@
 """Weight-only quantization of linear layers at load (`--quantization int8|int4`): weights
-stored in 8 or 4 bits with fp32 scales, activations and adapters in the model's dtype.
+stored in 8 or 4 bits with fp32 scales; activations rounded to int8 per block of 32 where they
+meet them (GGUF Q8_0's scheme, as llama.cpp does); adapters in the model's dtype.
 
 Semantics (the native kernel vllm/csrc/cpu/quant_linear.cpp computes the same):
     int8: per output channel (group = K): q = round(W / s) in [-127, 127], s = max|W[n]| / 127
@@ -7,15 +8,25 @@ Semantics (the native kernel vllm/csrc/cpu/quant_linear.cpp computes the same):
           q = round(W / s) in [-8, 7], s = max|W[n, group]| / 7 (the largest magnitude maps to
           +-7, so it round-trips exactly); stored as q + 8, two per byte: in each block of 32,
           byte j holds element j (low nibble) and element j + 16 (high nibble)
-    W' = s * q; a quantized layer computes x @ W'.T + bias.
+    W' = s * q; a quantized layer computes x' @ W'.T + bias, where x' is x (in fp32) rounded per
+    row and block of `ACT_BLOCK` (32) input features, the last block possibly shorter:
+          xs = max|x[block]| / 127, xq = round(x * (1 / xs)) in [-127, 127] (1 / xs = 0 for an
+          all-zero block; fp32 ops, round half to even), x' = xs * xq
+    so the native kernel runs integer dot products (int8 x int8/int4, summed per block and weight
+    group, each such sum scaled once in fp32). `reference_linear` computes it in float64.
+    offsets (optional, fp32 [N, K / group]): W' = s * q + offset of the element's group. GGUF's Q4_K
+          (w = d*sc*q - dmin*m) is int4 with s = d*sc and offset 8s - dmin*m. The kernels never see
+          it: x' @ W'.T = x' @ (s*q).T + group_sums(x') @ offsets.T, added after them.
 
 Invariants:
-  - `QuantizedWeight.dequantize()` is the reference: the native kernel and the torch path both
-    equal x @ dequantize().T up to fp32 summation order.
+  - `reference_linear` (x' @ dequantize().T in float64) is the reference: the native kernel and
+    the torch path both equal it up to fp32 rounding. Every path rounds the activations, so a
+    prompt scored in one prefill and token by token in decodes sees the same numerics.
   - Few rows (decodes, short chunks) run the native kernel, which reads every weight byte once
     per call; many rows (prefills) dequantize tiles of `TILE_ROWS` output channels and run a
-    dense matmul, where compute dominates anyway. Without the native kernel every call takes the
-    tiled torch path.
+    dense matmul, where compute dominates anyway; x' comes from the extension's one-pass
+    `round_activations`, bitwise equal to `round_activations` here. Without the native kernel
+    every call takes the tiled torch path.
   - Only the base weights are quantized: LoRA slots, embeddings and the LM head stay in the
     model's dtype.
 """
@@ -32,6 +43,7 @@ from vllm import native_build
 
 METHODS = ("int8", "int4")
 INT4_GROUP = 32
+ACT_BLOCK = 32  # input features per activation scale
 TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bounds the temporary)
 NATIVE_MAX_ROWS = 16  # up to this many rows of x use the native kernel
 _SOURCE, _WHAT = "quant_linear.cpp", "CPU quantized-linear kernel"
@@ -44,6 +56,7 @@ class QuantizedWeight:
     scales: torch.Tensor  # fp32 [N, K / group]
     group: int
     in_features: int
+    offsets: Optional[torch.Tensor] = None  # fp32 [N, K / group], added to every weight of its group
 
     @property
     def out_features(self) -> int:
@@ -51,7 +64,8 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4
+        offsets = 0 if self.offsets is None else self.offsets.numel() * 4
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4 + offsets
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:  # fp32 [N, K] (or the rows asked for)
         q = self.qweight[rows]
@@ -61,7 +75,9 @@ class QuantizedWeight:
             high = (blocks >> 4).to(torch.int8) - 8
             q = torch.cat([low, high], dim=-1).view(q.shape[0], self.in_features)
         scales = self.scales[rows].repeat_interleave(self.group, dim=1)
-        return q.float() * scales
+        if self.offsets is None:
+            return q.float() * scales
+        return q.float() * scales + self.offsets[rows].repeat_interleave(self.group, dim=1)
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
@@ -88,15 +104,53 @@ def native_available() -> bool:
     return native_build.unavailable_reason(_SOURCE, _WHAT) is None
 
 
+def group_sums(x: torch.Tensor, group: int) -> torch.Tensor:  # [M, K] -> [M, K / group]
+    return x.view(x.shape[0], -1, group).sum(dim=2)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] -> (xq int8 [M, K], xs fp32 [M, ceil(K / ACT_BLOCK)]), as the module docstring states."""
+    m, k = x.shape
+    blocks = F.pad(x.float(), (0, -k % ACT_BLOCK)).view(m, -1, ACT_BLOCK)  # zeros leave max|x| as is
+    xs = blocks.abs().amax(dim=2) / 127  # [M, blocks]
+    inv = torch.where(xs > 0, 1 / xs, torch.zeros_like(xs))
+    xq = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8).view(m, -1)[:, :k]
+    return xq, xs
+
+
+def round_activations(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x' = xs * xq in `dtype` (fp32: rounded once more, by at most half an fp32 ulp): [M, K]."""
+    xq, xs = quantize_activations(x)
+    return xq.to(dtype) * xs.to(dtype).repeat_interleave(ACT_BLOCK, dim=1)[:, :x.shape[1]]
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """round_activations(x) for fp32 contiguous x, in one native pass where the kernel is built."""
+    if x.device.type == "cpu" and native_available():
+        out = torch.empty_like(x)
+        torch.ops.vllm_quant.round_activations(out, x)
+        return out
+    return round_activations(x)
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """What a quantized layer computes without bias, in float64 (the integer sums are exact there),
+    returned as fp32 [M, N]: the reference the native kernel and the torch path are tested against."""
+    return (round_activations(x, torch.float64) @ weight.dequantize().double().T).float()
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x: [M, K] in the model dtype -> [M, N] in the model dtype."""
     xf = x.float().contiguous()
     if x.device.type == "cpu" and xf.shape[0] <= NATIVE_MAX_ROWS and native_available():
         out = torch.empty(xf.shape[0], weight.out_features, dtype=torch.float32)
         op = torch.ops.vllm_quant.linear_int8 if weight.method == "int8" else torch.ops.vllm_quant.linear_int4
-        op(out, xf, weight.qweight, weight.scales, weight.group)
+        op(out, xf, weight.qweight, weight.scales, weight.group)  # rounds the activations itself
+        if weight.offsets is not None:  # the kernel computes x' @ (s*q).T; add the offsets' share exactly
+            out.addmm_(group_sums(_rounded(xf), weight.group), weight.offsets.T)
     else:
-        out = torch.cat([F.linear(xf, weight.dequantize(slice(start, start + TILE_ROWS)))
+        xr = _rounded(xf)  # [M, K] fp32: the same activations the kernel multiplies
+        out = torch.cat([F.linear(xr, weight.dequantize(slice(start, start + TILE_ROWS)))
                          for start in range(0, weight.out_features, TILE_ROWS)], dim=1)
     if bias is not None:
         out += bias.float()

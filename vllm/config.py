@@ -40,6 +40,8 @@ class ModelConfig:
     max_logprobs: int = 20  # most logprobs / prompt logprobs per token a request may ask for
     enforce_eager: bool = False  # True: never capture CUDA graphs (vllm/worker/cuda_graph.py)
     quantization: Optional[str] = None  # weight-only, at load: "int8" | "int4" (layers/quantization.py)
+    # A GGUF checkpoint (model_executor/gguf_loader.py): the file; model_dir is then its folder.
+    gguf_path: Optional[str] = None
 
     @property
     def served_model_name(self) -> str:
@@ -119,6 +121,14 @@ class DeviceConfig:
     cpu_threads: Optional[int] = None  # CPU backend: torch's intra-op threads; None on CUDA
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks share one model (tensor parallelism, vllm/executor/multiproc.py)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None  # "mp" (one process per rank) or None: mp when size > 1
+
+
 @dataclass(frozen=True, eq=False)
 class VllmConfig:
     model_config: ModelConfig
@@ -126,3 +136,4 @@ class VllmConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     lora_config: Optional[LoRAConfig] = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

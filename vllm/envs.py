@@ -57,6 +57,12 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VLLM_TORCH_PROFILER_DIR": _str("VLLM_TORCH_PROFILER_DIR"),
     # API key for the server when --api-key is not given (vLLM's name).
     "VLLM_API_KEY": _str("VLLM_API_KEY"),
+    # CPU tensor parallelism: cores per rank, "0-3|4-7" (rank 0 on 0-3, rank 1 on 4-7; vLLM's name).
+    # Unset: ranks share the process's cores, --cpu-threads each.
+    "VLLM_CPU_OMP_THREADS_BIND": _str("VLLM_CPU_OMP_THREADS_BIND"),
+    # Seconds a tensor-parallel collective may wait for a peer before the engine is declared dead
+    # (a hung rank); a rank that exits is noticed at once.
+    "VLLM_TP_TIMEOUT_S": _float_or_none("VLLM_TP_TIMEOUT_S"),
     # Test-only fault injection, e.g. "step=3,tokenizer=BOOM" (see vllm/fault_injection.py).
     "VLLM_FAULT_INJECTION": _str("VLLM_FAULT_INJECTION"),
 }

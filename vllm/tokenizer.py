@@ -14,7 +14,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
 def get_tokenizer(path: str, trust_remote_code: bool = False, tokenizer_mode: str = "auto") -> PreTrainedTokenizerBase:
+    """`path`: a tokenizer folder, or a GGUF file whose metadata holds the tokenizer."""
     try:
+        if path.endswith(".gguf") and os.path.isfile(path):
+            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 trust_remote_code=trust_remote_code)
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
                                              use_fast=tokenizer_mode != "slow")
     except (OSError, ValueError) as e:

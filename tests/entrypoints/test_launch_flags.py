@@ -101,11 +101,11 @@ def test_tls_with_ssl_keyfile_and_certfile(llama_dir, tmp_path):
         assert client.completions.create(model=llama_dir, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_parallel_sizes_above_one_are_a_clear_error(llama_dir):
-    result = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", llama_dir, "-tp", "2"],
+def test_parallel_sizes_that_cannot_work_are_a_clear_error(llama_dir):
+    result = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", llama_dir, "-tp", "3"],
                             capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert result.returncode == 1
-    assert "tensor_parallel_size=2 is not supported" in result.stderr
+    assert "tensor_parallel_size=3 must divide the number of attention heads (4)" in result.stderr
     with pytest.raises(ValueError, match="data_parallel_size=2"):
         LLM(llama_dir, data_parallel_size=2)
 

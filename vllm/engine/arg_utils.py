@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -20,6 +21,7 @@ from vllm.config import (
     DeviceConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -84,7 +86,12 @@ class EngineArgs:
     max_logprobs: int = field(default=20, metadata=_help(
         "Most logprobs (and prompt logprobs) a request may ask for per token."))
     tensor_parallel_size: int = field(default=1, metadata=_help(
-        "Accepted for vLLM compatibility: 1 (one device per engine) is the only value."))
+        "Ranks that share the model (tensor parallelism, Megatron-style: attention heads and MLP columns split, "
+        "one worker process per extra rank; gloo on the CPU, NCCL on CUDA). On the CPU each rank gets "
+        "--cpu-threads threads (default: this process's cores divided among the ranks); "
+        "VLLM_CPU_OMP_THREADS_BIND=0-3|4-7 pins ranks to cores."))
+    distributed_executor_backend: Optional[str] = field(default=None, metadata=_help(
+        "How ranks run when tensor_parallel_size > 1: mp (one process per rank, the only backend)."))
     pipeline_parallel_size: int = field(default=1, metadata=_help("Accepted for vLLM compatibility: 1 only."))
     data_parallel_size: int = field(default=1, metadata=_help(
         "Accepted for vLLM compatibility: 1 only (run replicas behind a router instead)."))
@@ -120,19 +127,22 @@ class EngineArgs:
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log engine statistics."))
 
     def create_engine_config(self, usage: str = "llm") -> VllmConfig:
+        from vllm.model_executor.gguf_loader import load_gguf_config
         from vllm.model_executor.hf_files import load_hf_config, resolve_model_dir
 
         self._check_parallel_sizes()
         platform = current_platform(self.device)
         hub = {"cache_dir": self.download_dir, "token": self.hf_token}
-        model_dir = self._resolve_model_dir(resolve_model_dir, hub)
-        tokenizer_dir = model_dir
+        gguf_path = self._gguf_path(platform)
+        model_dir = self._resolve_model_dir(resolve_model_dir, hub) if gguf_path is None else os.path.dirname(gguf_path)
+        tokenizer_dir = gguf_path or model_dir  # a GGUF file carries its tokenizer (vllm/tokenizer.py)
         if self.tokenizer or self.tokenizer_revision:
             tokenizer_dir = resolve_model_dir(self.tokenizer or self.model, self.tokenizer_revision or self.revision,
                                               **hub)
         tokenizer_mode = self._tokenizer_mode()
         chat_template = load_chat_template(self.chat_template)
-        hf_config = self._apply_hf_overrides(load_hf_config(model_dir, self.trust_remote_code))
+        hf_config = self._apply_hf_overrides(load_gguf_config(gguf_path) if gguf_path is not None else
+                                             load_hf_config(model_dir, self.trust_remote_code))
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ValueError(f"The config in {model_dir!r} names no architecture (config.json 'architectures').")
@@ -147,7 +157,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code, sampling_defaults=sampling_defaults,
             chat_template=chat_template, tokenizer_mode=tokenizer_mode,
             max_logprobs=self._non_negative("max_logprobs", self.max_logprobs), enforce_eager=self.enforce_eager,
-            quantization=self._quantization(platform),
+            quantization=self._quantization(platform), gguf_path=gguf_path,
         )
         default_budget = 8192 if usage == "llm" else 2048
         scheduler_config = SchedulerConfig(
@@ -178,6 +188,7 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(platform.device(), cpu_threads=self._cpu_threads(platform)),
             lora_config=self._lora_config(model_config.dtype),
+            parallel_config=self._parallel_config(model_config),
         )
 
     def _dtype(self, platform, hf_config):
@@ -205,11 +216,26 @@ class EngineArgs:
                              "model unquantized.")
         return self.quantization
 
+    def _gguf_path(self, platform) -> Optional[str]:
+        """The GGUF file `model` names (None for a folder or hub id), refusing what cannot apply to one."""
+        from vllm.model_executor.gguf_loader import gguf_model_path
+
+        path = gguf_model_path(self.model)
+        if path is None:
+            return None
+        if self.quantization is not None:
+            raise ValueError(f"--quantization {self.quantization} cannot apply to the GGUF model {self.model!r}: its "
+                             "weights are already quantized and load as the file stores them. Drop --quantization.")
+        if platform.is_cuda:
+            raise ValueError(f"GGUF models (here {self.model!r}) run on the CPU backend only (--device cpu); on CUDA "
+                             "serve an unquantized HF checkpoint.")
+        return path
+
     def _cpu_threads(self, platform) -> Optional[int]:
         if platform.is_cuda:
             return None
-        if self.cpu_threads is None:
-            return default_cpu_threads()
+        if self.cpu_threads is None:  # the cores, shared among the ranks
+            return max(1, default_cpu_threads() // self.tensor_parallel_size)
         return self._positive("cpu_threads", self.cpu_threads)
 
     def _resolve_model_dir(self, resolve_model_dir, hub: dict) -> str:
@@ -249,13 +275,27 @@ class EngineArgs:
             raise ValueError(f"served_model_name must be non-empty names, got {names!r}.")
         return names
 
+    def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
+        if self.tensor_parallel_size > 1:
+            from vllm.model_executor.layers.tensor_parallel import check_heads_split
+
+            if model_config.gguf_path is not None:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with a GGUF model is not "
+                                 "supported: GGUF weights load whole on one rank; use tensor_parallel_size=1.")
+            check_heads_split(model_config.hf_config, self.tensor_parallel_size)
+        return ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+
     def _check_parallel_sizes(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        self._positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_executor_backend not in (None, "mp"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not supported; "
+                             "supported: mp (one process per tensor-parallel rank).")
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if value != 1:
                 raise ValueError(
-                    f"{name}={value} is not supported: this engine runs one model on one device per process, so 1 "
-                    "is the only value. Run several servers behind a router to use more devices."
+                    f"{name}={value} is not supported: 1 is the only value (tensor_parallel_size splits one model "
+                    "across devices; run several servers behind a router for more throughput)."
                 )
 
     def _max_model_len(self, hf_config) -> int:

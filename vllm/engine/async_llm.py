@@ -158,6 +158,7 @@ class AsyncLLM:
         # A fast tokenizer's first encode may reset padding/truncation it was saved with (a
         # write); doing it here keeps every later call, from any thread, a read.
         self.tokenizer.encode("")
+        engine.engine_core.add_failure_callback(self._on_fatal)
         self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -246,6 +247,12 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put(_SHUTDOWN)
             self._thread.join(timeout)
+
+    def _on_fatal(self, reason: str) -> None:
+        """A part of the engine died outside a step (a tensor-parallel rank, on the watchdog's
+        thread): wake the loop with a command that ends it, so the engine is marked dead even
+        while idle."""
+        self._commands.put((_raise_fatal, (reason,), None, None))
 
     async def _call(self, fn: Callable, *args: Any) -> Any:
         self.check_health()
@@ -384,6 +391,7 @@ class AsyncLLM:
         for command in taken:
             self._fail_command(command)
         self._drain_commands()
+        self.engine.engine_core.shutdown()  # tensor-parallel workers, if any
 
     def _fail_streams(self, error: BaseException) -> None:
         for stream in self._streams.values():
@@ -410,6 +418,12 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
         pass
+
+
+def _raise_fatal(reason: str) -> None:
+    from vllm.executor.multiproc import TensorParallelError
+
+    raise TensorParallelError(reason)
 
 
 def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:

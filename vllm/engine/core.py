@@ -1,7 +1,8 @@
 """`EngineCore`: the step loop's body: schedule -> execute -> update.
 
-It owns the model runner, the scheduler and the step profiler, sizes the KV cache at
-start-up, and exposes statistics. It never sees text: requests arrive tokenised and validated.
+It owns the model runner (or, with tensor parallelism, the executor that runs one runner
+per rank: vllm/executor/multiproc.py), the scheduler and the step profiler, sizes the KV
+cache at start-up, and exposes statistics. It never sees text: requests arrive tokenised and validated.
 Invariant: `max_model_len` tokens of one sequence always fit in the KV cache, so a
 lone request can never be stuck waiting for blocks.
 """
@@ -51,7 +52,12 @@ class EngineCore:
         self.config = vllm_config
         torch.manual_seed(vllm_config.model_config.seed)
         started = time.time()
-        self.runner = ModelRunner(vllm_config)
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            from vllm.executor.multiproc import MultiprocExecutor
+
+            self.runner = MultiprocExecutor(vllm_config)
+        else:
+            self.runner = ModelRunner(vllm_config)
         self.runner.load_model()
         model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
         num_blocks = determine_num_blocks(
@@ -105,6 +111,16 @@ class EngineCore:
             if sched.is_empty:
                 return []
             return self.scheduler.update_from_output(sched, result)
+
+    def add_failure_callback(self, callback) -> None:
+        """`callback(reason)` runs when a tensor-parallel rank dies outside a step (no-op otherwise)."""
+        if hasattr(self.runner, "add_failure_callback"):
+            self.runner.add_failure_callback(callback)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (idempotent)."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
 
     def start_profile(self) -> None:
         self.profiler.start()

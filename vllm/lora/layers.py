@@ -15,6 +15,13 @@ which matters on the CPU where per-op cost dominates small decode batches.
 The layer knows nothing of requests or aLoRA: the shared punica wrapper says which
 slot each token uses, and -1 tokens keep exactly the base output.
 
+Under tensor parallelism the slots hold this rank's part of each adapter, cut as the base
+layer is (layers/tensor_parallel.py): a column-parallel layer keeps all of A and its rows of
+B; a row-parallel layer keeps its input columns of A and all of B, and its delta
+`(x_r @ A_r.T) @ B.T` joins the base layer's partial sum before the one all-reduce:
+the sum over ranks is `(x @ A.T) @ B.T` (the shrink all-reduced before the expand, folded
+into the base layer's reduction).
+
 The slots may hold another dtype than the base layer (`--lora-dtype`): then the op runs on
 a copy of x in that dtype into a zeroed buffer, added to the base output in its dtype, so
 the kernels always see one dtype.
@@ -78,21 +85,24 @@ class LinearWithLoRA(nn.Module):
             b[slot].zero_()
         if weights is None:
             return
+        shard = self.base_layer.shard
         for i in range(len(self.output_sizes)):
             if weights.lora_a[i] is None:
                 continue
-            rank = weights.lora_a[i].shape[0]
+            a, b = weights.lora_a[i], weights.lora_b[i]  # [r, full in], [full out_i, r]
+            if shard is not None:
+                a, b = shard.cols(a), shard.rows(b, i)
+            rank = a.shape[0]
             a_view, b_view = self._slice_views(slot, i)
-            a_view[:rank].copy_(weights.lora_a[i], non_blocking=True)
-            b_view[:, :rank].copy_(weights.lora_b[i], non_blocking=True)
+            a_view[:rank].copy_(a, non_blocking=True)
+            b_view[:, :rank].copy_(b, non_blocking=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)  # [num_tokens, sum(output_sizes)]
+        y = self.base_layer.forward_local(x)  # [num_tokens, sum(output_sizes)]
         if self.lora_dtype == y.dtype:
             self.punica.add_lora(y, x, self.lora_a, self.lora_b, self._op_slices)
-            return y
-        if not self.punica.meta.has_lora:
-            return y
-        delta = torch.zeros(y.shape, dtype=self.lora_dtype, device=y.device)
-        self.punica.add_lora(delta, x.to(self.lora_dtype), self.lora_a, self.lora_b, self._op_slices)
-        return y.add_(delta.to(y.dtype))
+        elif self.punica.meta.has_lora:
+            delta = torch.zeros(y.shape, dtype=self.lora_dtype, device=y.device)
+            self.punica.add_lora(delta, x.to(self.lora_dtype), self.lora_a, self.lora_b, self._op_slices)
+            y.add_(delta.to(y.dtype))
+        return self.base_layer.reduce(y)

@@ -141,7 +141,8 @@ class LoRAModelManager:
                                      dtype=lora_dtype)
             model.set_submodule(name, wrapped)
             self.layers[name] = wrapped
-            specs[name] = ModuleSpec(module.input_size, tuple(module.output_sizes), slices, tuple(
+            # Adapter files hold whole matrices: validated against the full (unsharded) layer.
+            specs[name] = ModuleSpec(module.full_input_size, tuple(module.full_output_sizes), slices, tuple(
                 (name[: -len(ours)] + theirs, index)
                 for theirs, (ours, index) in aliases.items() if name.endswith("." + ours)
             ))

@@ -11,6 +11,8 @@ Invariants:
 - Checkpoints stored quantized (a `quantization_config`: GPTQ, AWQ, FP8, MXFP4...) are
   refused naming the method; `model_config.quantization` (int8, int4) quantizes every
   `Linear` once its weights are loaded (layers/quantization.py).
+- A GGUF file (`model_config.gguf_path`) loads through gguf_loader.py: its quantized tensors
+  go into the `Linear`s packed, never through full precision.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig
+from vllm.model_executor.gguf_loader import iterate_gguf_weights
 from vllm.model_executor.hf_files import find_weight_files, iterate_weights
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
@@ -34,6 +37,8 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     model = model_class(model_config.hf_config, model_config.dtype, device)
     if model_config.load_format == "dummy":
         initialize_dummy_weights(model, model_config.seed)
+    elif model_config.gguf_path is not None:  # quantized tensors stay packed (gguf_loader.py)
+        model.load_weights(iterate_gguf_weights(model_config.gguf_path, model_config.hf_config))
     else:
         files, fmt = find_weight_files(model_config.model_dir, model_config.load_format)
         model.load_weights(iterate_weights(files, fmt))

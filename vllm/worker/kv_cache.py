@@ -8,6 +8,9 @@ pass. The caches are allocated uninitialised (no start-up cost, memory grows wit
 use) and every block is zeroed when the scheduler hands it out fresh
 (`zero_blocks`): the torch attention reads whole blocks and masks positions past a
 sequence's end with zero weights, and 0 * NaN would poison the output.
+
+Under tensor parallelism every rank holds the same blocks for its own KV heads
+(`kv_heads_per_rank`): sizes here are one rank's, and all ranks get the same block count.
 """
 
 from __future__ import annotations
@@ -18,16 +21,23 @@ import torch
 
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from vllm.core.kv_cache_utils import cdiv
+from vllm.distributed.parallel_state import get_tp
 from vllm.logger import init_logger
+from vllm.model_executor.layers.tensor_parallel import kv_heads_per_rank
 
 logger = init_logger(__name__)
 
 _DEFAULT_CPU_BYTES = 4 << 30
 
 
+def _num_kv_heads(model_config: ModelConfig) -> int:
+    return kv_heads_per_rank(model_config.num_kv_heads, get_tp().world_size)
+
+
 def bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
+    """One block's bytes over every layer, on one rank."""
     element = torch.tensor([], dtype=model_config.dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_size * element
+    return 2 * model_config.num_layers * block_size * _num_kv_heads(model_config) * model_config.head_size * element
 
 
 def determine_num_blocks(
@@ -68,7 +78,7 @@ def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: i
     Zeroed, not empty: on the CPU that touches every page now, so the cache is resident from
     start-up (a cache too large for the machine fails here, not hours later) and the server's
     memory does not creep up as the free-block queue rotates through blocks never used before."""
-    shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_size)
+    shape = (2, num_blocks, block_size, _num_kv_heads(model_config), model_config.head_size)
     return [torch.zeros(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_layers)]
 
 

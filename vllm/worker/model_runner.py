@@ -123,6 +123,14 @@ class ModelRunner:
         return peak
 
     # -------------------------------------------------------------------- step
+    def apply_driver_samples(self, samples: dict[str, list[int]]) -> None:
+        """Tensor-parallel ranks other than 0: replace this rank's samples of the previous step
+        with rank 0's (req_id -> the tokens it sampled), which are the step's."""
+        for req_id, tokens in samples.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.token_ids[-len(tokens):] = tokens
+
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)

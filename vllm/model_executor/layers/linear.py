@@ -10,11 +10,20 @@ Invariants:
   fills them one checkpoint tensor at a time, so loading never holds a second full
   copy of the weights.
 - The surface other code relies on (the LoRA wrapper) is only `input_size`,
-  `output_sizes`, `weight`, `bias` and `forward`; keep it that way.
+  `output_sizes`, `full_input_size`, `full_output_sizes`, `shard`, `weight`, `bias`,
+  `forward_local`, `reduce` and `forward`; keep it that way.
+- Under tensor parallelism (`shard`, layers/tensor_parallel.py) `input_size` and
+  `output_sizes` are this rank's, `full_*` the checkpoint's; the loader cuts each
+  checkpoint tensor to this rank's rows or columns as it copies it. A row-parallel layer's
+  `forward_local` is a partial sum without the bias; `reduce` all-reduces it and adds the
+  bias, so an adapter's delta added in between is summed with it in the same all-reduce.
 - After `pack_for_onednn` (CPU fast path, once weights are final) the weight lives
   only in oneDNN's blocked layout; after `quantize` (`--quantization`) only in its
   quantized form (layers/quantization.py). Either way `weight` keeps its dtype and
   device but no data.
+- A GGUF checkpoint hands `weight_loader` `QuantizedWeight`s: one per output slice (a fused
+  layer's slices may differ in format, e.g. Q4_K and Q6_K), kept as they are; the forward
+  concatenates the slices' outputs. `quantize` makes a single one covering every row.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed.parallel_state import all_reduce
 from vllm.model_executor.layers.quantization import QuantizedWeight, quantize, quantized_linear
+from vllm.model_executor.layers.tensor_parallel import Shard
 
 
 def copy_checked(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -63,8 +74,16 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        shard: Optional[Shard] = None,
     ):
         super().__init__()
+        self.full_input_size = input_size
+        self.full_output_sizes = list(output_sizes)
+        self.shard = shard
+        if shard is not None and shard.out_ranges is not None:
+            output_sizes = [size for _, size in shard.out_ranges]
+        if shard is not None and shard.in_range is not None:
+            input_size = shard.in_range[1]
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(self.output_sizes)
@@ -80,7 +99,8 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._packed: Optional[torch.Tensor] = None
-        self._quantized: Optional[QuantizedWeight] = None
+        # Empty: dense. Else one covering all rows (`quantize`) or one per output slice (GGUF).
+        self._quantized: list[Optional[QuantizedWeight]] = []
 
     @property
     def num_shards(self) -> int:
@@ -89,7 +109,7 @@ class Linear(nn.Module):
     def pack_for_onednn(self, batch_hint: int) -> None:
         """Move the weight into oneDNN's pre-packed layout (no second copy is kept); a
         quantized layer keeps its quantized weight."""
-        if self._quantized is not None:
+        if self._quantized:
             return
         self._packed = pack_onednn_weight(self.weight, batch_hint)
         self.weight.data = self.weight.data.new_empty(0)
@@ -97,25 +117,49 @@ class Linear(nn.Module):
     @property
     def weight_nbytes(self) -> int:
         """Bytes of the weight however it is stored (dense, oneDNN-packed or quantized)."""
-        if self._quantized is not None:
-            return self._quantized.nbytes
+        if self._quantized:
+            return sum(q.nbytes for q in self._quantized)
         return self.output_size * self.input_size * self.weight.element_size()
 
     def quantize(self, method: str) -> None:
         """Keep the weight only in `method`'s quantized form (no full-precision copy)."""
-        self._quantized = quantize(self.weight, method)
+        self._quantized = [quantize(self.weight, method)]
         self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, input_size] -> [num_tokens, output_size]
-        if self._quantized is not None:
-            return quantized_linear(x, self._quantized, self.bias)
+        return self.reduce(self.forward_local(x))
+
+    @property
+    def _row_parallel(self) -> bool:
+        return self.shard is not None and self.shard.row_parallel
+
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product: the output, or for a row-parallel layer a partial sum without bias."""
+        bias = None if self._row_parallel else self.bias
+        if len(self._quantized) == 1:
+            return quantized_linear(x, self._quantized[0], bias)
+        if self._quantized:  # one per output slice
+            out = torch.cat([quantized_linear(x, q, None) for q in self._quantized], dim=-1)
+            return out if bias is None else out.add_(bias)
         if self._packed is not None:
-            return onednn_linear(x, self._packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return onednn_linear(x, self._packed, bias)
+        return F.linear(x, self.weight, bias)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from `forward_local`'s (the identity unless row-parallel)."""
+        if not self._row_parallel:
+            return y
+        all_reduce(y)
+        return y if self.bias is None else y.add_(self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[int]) -> None:
         """Copy `loaded_weight` (a weight or a bias) into slice `shard_id`, or into the
-        whole parameter when `shard_id` is None."""
+        whole parameter when `shard_id` is None; under tensor parallelism only this rank's part."""
+        if isinstance(loaded_weight, QuantizedWeight):
+            self._load_quantized(param, loaded_weight, shard_id)
+            return
+        if self.shard is not None:
+            loaded_weight = self._rank_part(param, loaded_weight, shard_id)
         if shard_id is None:
             copy_checked(param.data, loaded_weight)
             return
@@ -125,5 +169,40 @@ class Linear(nn.Module):
         target = param.data.narrow(0, self._offsets[shard_id], self.output_sizes[shard_id])
         copy_checked(target, loaded_weight)
 
+    def _load_quantized(self, param: nn.Parameter, weight: QuantizedWeight, shard_id: Optional[int]) -> None:
+        """Keep a slice stored quantized (GGUF) as it is; the dense weight goes once every slice is in."""
+        if param is not self.weight or self.shard is not None:
+            raise ValueError("quantized checkpoint tensors load only into an unsharded layer's weight "
+                             "(tensor_parallel_size 1)")
+        slices = 1 if shard_id is None else self.num_shards
+        if not self._quantized:
+            self._quantized = [None] * slices
+        if len(self._quantized) != slices or not 0 <= (shard_id or 0) < slices:
+            raise ValueError(f"slice {shard_id} does not fit a layer with {self.num_shards} output slices "
+                             "stored as separate quantized tensors")
+        rows = self.output_size if shard_id is None else self.output_sizes[shard_id]
+        if (weight.out_features, weight.in_features) != (rows, self.input_size):
+            raise ValueError(f"shape mismatch: the model expects {(rows, self.input_size)}, the checkpoint has "
+                             f"{(weight.out_features, weight.in_features)}")
+        self._quantized[shard_id or 0] = weight
+        if all(q is not None for q in self._quantized):
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def _rank_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int]) -> torch.Tensor:
+        """This rank's rows (per fused slice) and, for the weight, input columns of a checkpoint tensor."""
+        if param is self.weight:
+            loaded = self.shard.cols(loaded)
+        if shard_id is not None:
+            return self.shard.rows(loaded, shard_id)
+        if self.shard.out_ranges is None:
+            return loaded
+        if loaded.shape[0] != sum(self.full_output_sizes):
+            raise ValueError(f"shape mismatch: the model expects {sum(self.full_output_sizes)} rows, the "
+                             f"checkpoint has {loaded.shape[0]}")
+        # A fused tensor stored whole: cut each slice's rows, keep slice order.
+        parts = loaded.split(self.full_output_sizes, dim=0)
+        return torch.cat([self.shard.rows(part, i) for i, part in enumerate(parts)], dim=0)
+
     def extra_repr(self) -> str:
-        return f"input_size={self.input_size}, output_sizes={self.output_sizes}, bias={self.bias is not None}"
+        tp = "" if self.shard is None else f", {'row' if self.shard.row_parallel else 'column'}-parallel"
+        return f"input_size={self.input_size}, output_sizes={self.output_sizes}, bias={self.bias is not None}{tp}"

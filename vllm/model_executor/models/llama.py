@@ -30,6 +30,7 @@ from vllm.attention.variant import AttentionVariant
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear, default_weight_loader
 from vllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
+from vllm.model_executor.layers.tensor_parallel import column_shard, head_shard, row_shard
 from vllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 from vllm.model_executor.weight_mapping import load_checkpoint_weights
 
@@ -99,8 +100,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.act = activation_of(config, options)
         hidden, inter = config.hidden_size, options.intermediate_size or config.intermediate_size
-        self.gate_up_proj = Linear(hidden, [inter, inter], options.mlp_bias, dtype, device)
-        self.down_proj = Linear(inter, [hidden], options.mlp_bias, dtype, device)
+        self.gate_up_proj = Linear(hidden, [inter, inter], options.mlp_bias, dtype, device,
+                                   shard=column_shard([inter, inter], "the MLP's intermediate size"))
+        self.down_proj = Linear(inter, [hidden], options.mlp_bias, dtype, device,
+                                shard=row_shard(inter, "the MLP's intermediate size"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
@@ -119,13 +122,19 @@ class LlamaAttention(nn.Module):
     ):
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_size = head_size_of(config)
+        heads = head_shard(total_heads, total_kv_heads, self.head_size)  # this rank's heads
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.qkv_proj = Linear(hidden, [self.q_size, self.kv_size, self.kv_size], options.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, [hidden], options.o_bias, dtype, device)
+        full_q, full_kv = total_heads * self.head_size, total_kv_heads * self.head_size
+        self.qkv_proj = Linear(hidden, [full_q, full_kv, full_kv], options.qkv_bias, dtype, device, shard=heads.qkv)
+        self.o_proj = Linear(full_q, [hidden], options.o_bias, dtype, device, shard=heads.o)
+        if options.qk_norm_full_width and heads.qkv is not None:
+            raise ValueError("tensor parallelism does not support q/k norms over the full width of all heads "
+                             "(OLMo 2 style); use tensor_parallel_size=1 for this model.")
         self.qk_norm = options.qk_norm or options.qk_norm_full_width
         if self.qk_norm:
             q_width, k_width = (self.q_size, self.kv_size) if options.qk_norm_full_width else (self.head_size,) * 2
@@ -137,7 +146,10 @@ class LlamaAttention(nn.Module):
         sinks = None
         if options.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=dtype, device=device), requires_grad=False)
-            self.sinks.weight_loader = default_weight_loader
+            if heads.qkv is not None:  # this rank's heads' sinks
+                first_head = heads.first_head
+                self.sinks.weight_loader = lambda param, loaded, shard_id=None: default_weight_loader(
+                    param, loaded.narrow(0, first_head, param.shape[0]), shard_id)
             sinks = self.sinks
         variant = AttentionVariant(sliding_window=sliding_window_of_layer(config, layer_index),
                                    soft_cap=options.attn_soft_cap, sinks=sinks)

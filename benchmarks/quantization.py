@@ -1,6 +1,6 @@
-"""Weight-only quantization on the CPU, per precision: the bytes of the linear weights, the
-batch-1 decode step against its floor (those bytes and the LM head's, which stays in the model
-dtype, read once at the measured copy bandwidth),
+"""Weight-only quantization on the CPU, per precision: the bytes of the linear weights and of the
+LM head (int8 per channel under both methods), the batch-1 decode step against its floor (those
+bytes read once at the measured copy bandwidth),
 and agreement with the fp32 model (greedy tokens on a fixed prompt set, mean |logprob|
 difference of the prompt tokens, teacher-forced so one early divergence does not decide it).
 Quantized layers round activations to int8 per block of 32 (see quantization.py) on every
@@ -52,8 +52,7 @@ def linear_weight_bytes(llm: LLM) -> int:
 
 
 def lm_head_bytes(llm: LLM) -> int:
-    config = llm.llm_engine.model_config
-    return config.vocab_size * config.hf_config.hidden_size * config.dtype.itemsize
+    return llm.llm_engine.engine_core.runner.model.lm_head.weight_nbytes
 
 
 def outputs(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
@@ -92,19 +91,21 @@ def main() -> None:
             reference = (tokens, logprobs)
         same = sum(a == b for a, b in zip(tokens, reference[0]))
         diffs = [abs(a - b) for ours, ref in zip(logprobs, reference[1]) for a, b in zip(ours, ref)]
-        floor = (weight_bytes + lm_head_bytes(llm)) / bandwidth
+        head_bytes = lm_head_bytes(llm)
+        floor = (weight_bytes + head_bytes) / bandwidth
         note = "" if precision != "bfloat16" or cpu_has_native_bf16() else " (emulated: no native bf16)"
-        rows.append((precision + note, f"{weight_bytes / 2**20:.1f}", f"{step * 1e3:.2f}", f"{floor * 1e3:.2f}",
-                     f"{step / floor:.2f}x", f"{same}/{len(PROMPTS)}", f"{sum(diffs) / len(diffs):.4f}"))
-        results[precision] = dict(linear_weight_bytes=weight_bytes, decode_step_s=step, floor_s=floor,
-                                  greedy_equal=same, mean_abs_logprob_diff=sum(diffs) / len(diffs))
+        rows.append((precision + note, f"{weight_bytes / 2**20:.1f}", f"{head_bytes / 2**20:.1f}",
+                     f"{step * 1e3:.2f}", f"{floor * 1e3:.2f}", f"{step / floor:.2f}x", f"{same}/{len(PROMPTS)}",
+                     f"{sum(diffs) / len(diffs):.4f}"))
+        results[precision] = dict(linear_weight_bytes=weight_bytes, lm_head_bytes=head_bytes, decode_step_s=step,
+                                  floor_s=floor, greedy_equal=same, mean_abs_logprob_diff=sum(diffs) / len(diffs))
         del llm
         gc.collect()
     print_table(f"Weight-only quantization, {os.path.basename(model_dir.rstrip('/'))}, batch-1 decode at "
                 f"{CONTEXT} tokens of context, {torch.get_num_threads()} threads, copy bandwidth "
                 f"{bandwidth / 1e9:.1f} GB/s, load average {start_load:.1f} at the start, "
                 f"{os.getloadavg()[0]:.1f} at the end",
-                rows, ("precision", "linear weights MiB", "decode step ms", "floor ms", "vs floor",
+                rows, ("precision", "linear weights MiB", "LM head MiB", "decode step ms", "floor ms", "vs floor",
                        "greedy = fp32", "mean |dlogprob|"))
     save_json(args.json, {"results": results, "machine_load": machine_load()})
 

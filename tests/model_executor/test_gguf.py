@@ -4,15 +4,15 @@ dequantizes the same file); and the engine on a tiny GGUF matches transformers e
 without a LoRA / aLoRA (PEFT on transformers' model).
 
 The engine rounds the activations of quantized layers to int8 per block of 32, as llama.cpp does
-(layers/quantization.py), and the oracle does the same at the input of transformers' base linears
-(not the LM head, not the adapters). Layer by layer that makes the two equal to fp32 rounding.
-End to end it does not: a rounding is a step function, so a 1e-7 change in a hidden state (the two
-attention implementations differ by that much) can flip one, and a flip moves later logprobs by up
-to ~0.5 nats on these tiny models (measured: perturbing transformers' own input by 1e-7). Quantized
-files are therefore compared on the prompt logprobs of a fixed sequence (no compounding through
-sampled tokens) by their mean difference, `MEAN_TOL`; a wrong scale, nibble order or row
-permutation moves them by whole nats (they spread over ~10). F32 files have no rounding: greedy
-tokens identical and logprobs within 1e-4.
+(layers/quantization.py), the LM head included (it stays packed too), and the oracle does the same
+at the input of transformers' base linears and LM head (not the adapters). Layer by layer that
+makes the two equal to fp32 rounding. End to end it does not: a rounding is a step function, so a
+1e-7 change in a hidden state (the two attention implementations differ by that much) can flip one,
+and a flip moves later logprobs by up to ~0.5 nats on these tiny models (measured: perturbing
+transformers' own input by 1e-7). Quantized files are therefore compared on the prompt logprobs of a
+fixed sequence (no compounding through sampled tokens) by their mean difference, `MEAN_TOL`; a wrong
+scale, nibble order or row permutation moves them by whole nats (they spread over ~10). F32 files
+have no rounding: greedy tokens identical and logprobs within 1e-4.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def transformers_model(path: str, round_activations: bool):
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.float32).eval()
     if round_activations:
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):  # every file here stores its head quantized too
                 module.register_forward_pre_hook(_round_input)
     return model
 
@@ -160,11 +160,19 @@ def test_engine_on_a_gguf_file_matches_transformers(kind, gguf_files):
             xr = q.round_activations(rows) if quantized else rows
             expected = torch.cat([F.linear(xr, ref.weight, ref.bias) for ref in refs], dim=1)
             torch.testing.assert_close(layer(rows), expected, atol=2e-5, rtol=1e-5)
+    # The head too (the embedding's lookup table is dequantized, exactly as transformers does).
+    head = model.lm_head
+    x = torch.randn(5, head.hidden_size, generator=gen)
+    expected = F.linear(q.round_activations(x) if quantized else x, hf.lm_head.weight)
+    torch.testing.assert_close(head(x), expected, atol=2e-5, rtol=1e-5)
+    assert (head._quantized is not None) == quantized
     torch.testing.assert_close(model.model.embed_tokens.weight, hf.model.embed_tokens.weight, atol=0, rtol=0)
     # Memory: quantized files stay packed, about the file's size and nowhere near fp32.
-    in_memory = sum(m.weight_nbytes for m in linears.values())
-    in_file = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2)
-    full_precision = sum(m.output_size * m.input_size * 4 for m in linears.values())
+    in_memory = sum(m.weight_nbytes for m in linears.values()) + head.weight_nbytes
+    in_file = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors
+                  if (t.name.startswith("blk.") or t.name == "output.weight") and len(t.shape) == 2)
+    full_precision = (sum(m.output_size * m.input_size * 4 for m in linears.values())
+                      + head.vocab_size * head.hidden_size * 4)
     if quantized:
         assert in_memory <= 1.5 * in_file and in_memory < 0.3 * full_precision
     else:

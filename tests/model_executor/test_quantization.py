@@ -1,10 +1,11 @@
 """Weight-only int8 / int4 quantization at load (vllm/model_executor/layers/quantization.py and
 vllm/csrc/cpu/quant_linear.cpp): the stated rounding and packing of weights and activations, the
 native kernel (AVX2 and its portable build) and the tiled torch path against `reference_linear`,
-and the engine on a checkpoint whose weights are already on the quantization grid, where quantizing
-is lossless and the engine must match transformers (and PEFT, with an adapter on top) given the
-same activation rounding: the same greedy tokens, logprobs within what one flipped rounding tie
-moves."""
+the LM head's per-channel int8 copy (tied and untied, quantized at load or loaded packed), and the
+engine on a checkpoint whose weights are already on the quantization grid, where quantizing is
+lossless and the engine must match transformers (and PEFT, with an adapter on top) given the same
+activation rounding: the same greedy tokens, logprobs within what one flipped rounding tie moves;
+with two tensor-parallel ranks, the same tokens as one."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from tests.lora.conftest import generate_one
 from tests.utils.adapters import load_peft_model, make_adapter
 from tests.utils.checkpoints import load_hf_model
 from tests.utils.reference import hf_greedy
-from vllm import LLM
+from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers import quantization as q
 from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.vocab_embedding import HEAD_METHOD, LMHead, VocabEmbedding
 
 CPU = torch.device("cpu")
 
@@ -192,13 +194,68 @@ def test_quantized_layer_keeps_no_full_precision_copy():
     torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-5)
 
 
+def _head(vocab: int, hidden: int, tied: bool, seed: int) -> tuple[LMHead, VocabEmbedding, torch.Tensor]:
+    """(head, embedding, the weight both started with)."""
+    embedding = VocabEmbedding(vocab, hidden, torch.float32, CPU)
+    head = LMHead(vocab, hidden, torch.float32, CPU, tied_embedding=embedding if tied else None)
+    weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed))
+    embedding.weight.data.copy_(weight)
+    head.weight.data.copy_(weight)
+    return head, embedding, weight
+
+
+@pytest.mark.parametrize("method", q.METHODS)
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_quantizes_to_int8_per_channel(method, tied):
+    """Both methods give the head int8 per output channel; a tied embedding keeps its dense table."""
+    head, embedding, weight = _head(97, 64, tied, seed=1)
+    head.quantize(method)
+    assert head._quantized.method == HEAD_METHOD == "int8" and head._quantized.group == 64
+    assert head.weight_nbytes == 97 * 64 + 97 * 4  # a byte per weight + one fp32 scale per row
+    assert head.weight.numel() == (97 * 64 if tied else 0)
+    if tied:  # lookups still read the model-dtype table
+        assert torch.equal(embedding.weight, weight)
+    head.pack_for_onednn(batch_hint=64)  # a quantized head stays quantized
+    for rows in (1, 40):  # the native kernel, then the tiled torch path
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        _check_kernel(head(x), x, q.quantize(weight, "int8"))
+    with pytest.raises(ValueError, match="Unknown quantization 'int2'; supported: int8, int4"):
+        _head(97, 64, tied, seed=1)[0].quantize("int2")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_loaded_packed(tied):
+    """A head stored quantized (GGUF's output.weight, or token_embd.weight when tied) stays packed;
+    the embedding's lookup table gets its dequantized values."""
+    head, embedding, _ = _head(97, 64, tied, seed=2)
+    stored = q.quantize(torch.randn(97, 64, generator=torch.Generator().manual_seed(3)), "int4")
+    target = embedding.weight if tied else head.weight  # where the checkpoint name maps
+    target.weight_loader(target, stored)
+    assert head._quantized is stored and head.weight_nbytes == stored.nbytes
+    if tied:
+        assert torch.equal(embedding.weight, stored.dequantize())
+    else:
+        assert head.weight.numel() == 0
+        embedding.weight.weight_loader(embedding.weight, stored)  # an untied embedding stored quantized
+        assert torch.equal(embedding.weight, stored.dequantize())
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    _check_kernel(head(x), x, stored)
+    head.quantize("int8")  # --quantization keeps what the file stored
+    assert head._quantized is stored
+    with pytest.raises(ValueError, match=r"the LM head expects \(97, 64\), the checkpoint has \(96, 64\)"):
+        wrong = _head(97, 64, tied, seed=2)[0]
+        wrong.weight.weight_loader(wrong.weight, q.quantize(torch.randn(96, 64), "int8"))
+
+
 def _on_grid(src: str, dst: str, method: str) -> str:
-    """A copy of the checkpoint whose linear weights (not the LM head) are dequantize(quantize(w))."""
+    """A copy of the checkpoint whose linear weights are dequantize(quantize(w)), the LM head's in
+    per-channel int8 (the head's format under every method)."""
     model = load_hf_model(src)
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name != "lm_head":
-                module.weight.copy_(q.quantize(module.weight, method).dequantize())
+            if isinstance(module, torch.nn.Linear):
+                grid = HEAD_METHOD if name == "lm_head" else method
+                module.weight.copy_(q.quantize(module.weight, grid).dequantize())
     model.save_pretrained(dst)
     for name in os.listdir(src):
         if name.startswith(("tokenizer", "special_tokens", "generation_config")):
@@ -208,13 +265,13 @@ def _on_grid(src: str, dst: str, method: str) -> str:
 
 def _round_linear_inputs(model: torch.nn.Module) -> torch.nn.Module:
     """The quantized layers' activation rounding on a transformers / PEFT model: every base linear
-    (not the LM head, not PEFT's full-precision lora_A / lora_B) sees round_activations(x)."""
+    and the LM head (not PEFT's full-precision lora_A / lora_B) sees round_activations(x)."""
     def hook(module, args):
         x = args[0]
         return (q.round_activations(x.reshape(-1, x.shape[-1])).view_as(x).to(x.dtype),)
 
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head") and ".lora_" not in name:
+        if isinstance(module, torch.nn.Linear) and ".lora_" not in name:
             module.register_forward_pre_hook(hook)
     return model
 
@@ -236,6 +293,22 @@ def test_engine_on_grid_weights_matches_transformers_and_peft(method, grid_check
         ids = tokenizer.encode(text)
         _check_rounded_reference(generate_one(llm, ids), hf_greedy(hf, ids, 10))
         _check_rounded_reference(generate_one(llm, ids, LoRARequest("lora", 1, adapter)), hf_greedy(peft, ids, 10))
+
+
+def test_tensor_parallel_quantized_matches_one_rank(grid_checkpoints):
+    """Two ranks quantize their own rows (the head: its vocabulary block) and give one rank's tokens."""
+    prompts = ["hello world how are you", "one two three four five six seven eight"]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine = dict(max_model_len=128, quantization="int4", dtype="float32")
+    single = LLM(grid_checkpoints["int4"], **engine)
+    reference = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    head = single.llm_engine.engine_core.runner.model.lm_head
+    assert head._quantized is not None and head.weight.numel() == 0
+    double = LLM(grid_checkpoints["int4"], tensor_parallel_size=2, **engine)
+    try:
+        assert [o.outputs[0].token_ids for o in double.generate(prompts, params, use_tqdm=False)] == reference
+    finally:
+        double.llm_engine.engine_core.shutdown()
 
 
 def _check_rounded_reference(out, ref) -> None:

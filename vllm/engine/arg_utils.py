@@ -69,7 +69,8 @@ class EngineArgs:
     load_format: str = field(default="auto", metadata=_help("auto, safetensors, pt or dummy (random weights)."))
     quantization: Optional[str] = field(default=None, metadata=_help(
         "Quantize the weights of every linear layer at load, weight-only (CPU): int8 (per output channel) or int4 "
-        "(groups of 32, GGUF Q4_0's scheme). Activations, embeddings, the LM head and adapters keep the model dtype."))
+        "(groups of 32, GGUF Q4_0's scheme); the LM head in int8 for both. Activations are rounded to int8 per block "
+        "of 32 inside the quantized matmuls; embeddings and adapters keep the model dtype."))
     served_model_name: Optional[list[str]] = field(default=None, metadata=_help(
         "The model name(s) in the API (default: the model argument). With several, the first is the name "
         "responses report and every one is accepted in requests."))

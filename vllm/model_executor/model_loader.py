@@ -10,9 +10,10 @@ Invariants:
   (e.g. Granite-3.3-8B in bf16) where only the shapes matter.
 - Checkpoints stored quantized (a `quantization_config`: GPTQ, AWQ, FP8, MXFP4...) are
   refused naming the method; `model_config.quantization` (int8, int4) quantizes every
-  `Linear` once its weights are loaded (layers/quantization.py).
+  `Linear` and the LM head (int8 per channel for both methods) once the weights are loaded
+  (layers/quantization.py, layers/vocab_embedding.py).
 - A GGUF file (`model_config.gguf_path`) loads through gguf_loader.py: its quantized tensors
-  go into the `Linear`s packed, never through full precision.
+  go into the `Linear`s and the LM head packed, never through full precision.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vllm.model_executor.gguf_loader import iterate_gguf_weights
 from vllm.model_executor.hf_files import find_weight_files, iterate_weights
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.vocab_embedding import LMHead
 from vllm.model_executor.models import get_model_class
 
 # Small enough that activations stay well inside bf16 range through many layers.
@@ -44,7 +46,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         model.load_weights(iterate_weights(files, fmt))
     if model_config.quantization is not None:
         for module in model.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, LMHead)):
                 module.quantize(model_config.quantization)
     return model.eval()
 

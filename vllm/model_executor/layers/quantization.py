@@ -27,8 +27,9 @@ Invariants:
     dense matmul, where compute dominates anyway; x' comes from the extension's one-pass
     `round_activations`, bitwise equal to `round_activations` here. Without the native kernel
     every call takes the tiled torch path.
-  - Only the base weights are quantized: LoRA slots, embeddings and the LM head stay in the
-    model's dtype.
+  - Only the base weights are quantized: LoRA slots and the embedding's lookup table stay in the
+    model's dtype. The LM head is quantized too, per output channel int8 under both methods
+    (as llama.cpp keeps its output matrix at 6-8 bits): layers/vocab_embedding.py.
 """
 
 from __future__ import annotations

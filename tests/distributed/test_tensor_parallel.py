@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks): tokens identical to one rank and logprobs
 within 1e-4 (fp32) for the base model, plain LoRA, aLoRA, a mixed batch, structured output and
 prefix-cache reuse; per-rank KV heads (split and replicated), sharded biases and attention sinks;
-a rank that dies fails the engine at once and leaves no process behind.
+a rank that dies fails the engine at once, one that hangs after VLLM_TP_TIMEOUT_S, and neither
+leaves a process behind.
 
 Each TP=2 engine starts one worker process (spawn): the engines are module-scoped and shut
 down explicitly, since a process can be in one tensor-parallel group at a time."""
@@ -140,6 +141,22 @@ def test_a_killed_rank_fails_the_engine_and_leaves_no_process(llama_dir):
         llm.generate(PROMPTS[:1], _greedy())
     _shutdown(llm)
     assert not worker.is_alive() and not parallel_state.get_tp().world_size > 1
+
+
+def test_a_hung_rank_fails_the_step_after_the_timeout(llama_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_TP_TIMEOUT_S", "3")
+    llm = _engine(llama_dir, 2)
+    worker = llm.llm_engine.engine_core.runner.workers[0].process
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError):
+            llm.generate(PROMPTS[:1], _greedy())
+        assert time.monotonic() - started < 30
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        _shutdown(llm)
+    assert not worker.is_alive()
 
 
 def test_shards_cut_heads_vocab_and_cores(monkeypatch):

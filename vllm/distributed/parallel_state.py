@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
+# How long the ranks may take to meet at start-up (spawning and importing), apart from the
+# collectives' timeout, which may be much shorter.
+RENDEZVOUS_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -43,16 +46,18 @@ def get_tp() -> TensorParallelState:
     return _STATE
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device,
+def init_tensor_parallel(rank: int, world_size: int, address: tuple[str, int], device: torch.device,
                          timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the group of `world_size` ranks rendezvousing at `init_method` (tcp://host:port)."""
+    """Join the group of `world_size` ranks meeting at `address` (host, port; rank 0 listens)."""
     global _STATE
     if _STATE.world_size != 1 or dist.is_initialized():
         raise RuntimeError("this process is already in a tensor-parallel group: another engine with "
                            "tensor_parallel_size > 1 is alive here; shut it down first "
                            "(llm.llm_engine.engine_core.shutdown()).")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    store = dist.TCPStore(address[0], address[1], world_size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     _STATE = TensorParallelState(rank, world_size)
 

@@ -109,7 +109,7 @@ class MultiprocExecutor:
         device = vllm_config.device_config.device
         cores = parse_core_binding(envs.VLLM_CPU_OMP_THREADS_BIND, self.world_size) if device.type == "cpu" else None
         timeout_s = envs.VLLM_TP_TIMEOUT_S or DEFAULT_TIMEOUT_S
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        address = ("127.0.0.1", _free_port())
         context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
         self._failure_callbacks: list[Callable[[str], None]] = []
@@ -120,7 +120,7 @@ class MultiprocExecutor:
             parent, child = context.Pipe()
             process = context.Process(
                 target=run_worker, name=f"vllm-tp-rank{rank}", daemon=True,
-                args=(_rank_config(vllm_config, cores, rank), rank, self.world_size, init_method, child, timeout_s,
+                args=(_rank_config(vllm_config, cores, rank), rank, self.world_size, address, child, timeout_s,
                       cores[rank] if cores else None))
             process.start()
             child.close()
@@ -130,7 +130,7 @@ class MultiprocExecutor:
         try:
             if cores:
                 os.sched_setaffinity(0, cores[0])
-            init_tensor_parallel(0, self.world_size, init_method, device, timeout_s)
+            init_tensor_parallel(0, self.world_size, address, device, timeout_s)
             self.driver = ModelRunner(_rank_config(vllm_config, cores, 0))
         except BaseException:
             self.shutdown()

@@ -55,7 +55,7 @@ def receive(conn: Connection) -> tuple:
     return pickle.loads(conn.recv_bytes())
 
 
-def run_worker(config: VllmConfig, rank: int, world_size: int, init_method: str, conn: Connection,
+def run_worker(config: VllmConfig, rank: int, world_size: int, address: tuple[str, int], conn: Connection,
                timeout_s: float, cores: Optional[Sequence[int]]) -> None:
     """Entry point of the worker process of `rank` (multiprocessing, spawn)."""
     _die_with_parent()
@@ -65,7 +65,7 @@ def run_worker(config: VllmConfig, rank: int, world_size: int, init_method: str,
     from vllm.worker.model_runner import ModelRunner
 
     try:
-        init_tensor_parallel(rank, world_size, init_method, config.device_config.device, timeout_s)
+        init_tensor_parallel(rank, world_size, address, config.device_config.device, timeout_s)
         runner = ModelRunner(config)
         _serve(runner, conn)
     except EOFError:  # the engine closed the pipe: it is gone

@@ -9,6 +9,7 @@ down explicitly, since a process can be in one tensor-parallel group at a time."
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -157,6 +158,15 @@ def test_a_hung_rank_fails_the_step_after_the_timeout(llama_dir, monkeypatch):
         os.kill(worker.pid, signal.SIGCONT)
         _shutdown(llm)
     assert not worker.is_alive()
+
+
+def test_deleting_the_llm_stops_its_ranks(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_model_len=256, tensor_parallel_size=2)
+    worker = llm.llm_engine.engine_core.runner.workers[0].process
+    del llm
+    gc.collect()
+    worker.join(15)
+    assert not worker.is_alive() and parallel_state.get_tp().world_size == 1
 
 
 def test_shards_cut_heads_vocab_and_cores(monkeypatch):

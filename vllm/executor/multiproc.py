@@ -17,7 +17,8 @@ Invariants:
   engine stops (AsyncLLM marks itself dead, the server answers /health 503 and exits non-zero).
   A watchdog thread notices a worker that exits while the engine is idle and calls the
   registered failure callbacks.
-- `shutdown` (also run at interpreter exit and when the executor is collected) stops and joins
+- `shutdown` (also run at interpreter exit and when the executor is collected, e.g. after
+  `del llm`) stops and joins
   every worker and leaves the process group: no orphan processes; the worker processes also
   die with the engine process if it is killed.
 - CPU ranks each get their own thread pool: `--cpu-threads` threads each (default: the
@@ -27,7 +28,6 @@ Invariants:
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import multiprocessing
 import os
@@ -125,8 +125,8 @@ class MultiprocExecutor:
             process.start()
             child.close()
             self.workers.append(_Worker(process, parent, rank))
+        # Runs on shutdown(), when the executor is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop_workers, self.workers, self._closed)
-        atexit.register(self._finalizer)
         try:
             if cores:
                 os.sched_setaffinity(0, cores[0])
@@ -135,7 +135,9 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
-        threading.Thread(target=self._watch, name="vllm-tp-watchdog", daemon=True).start()
+        # Not a bound method: the thread must not keep the executor alive (`del llm` then frees it).
+        threading.Thread(target=_watch_workers, args=(self.workers, self._closed, self._failure_callbacks),
+                         name="vllm-tp-watchdog", daemon=True).start()
         logger.info("Tensor parallelism: %d ranks (%s), worker pids %s", self.world_size,
                     "nccl" if device.type == "cuda" else "gloo", [w.process.pid for w in self.workers])
 
@@ -207,15 +209,17 @@ class MultiprocExecutor:
         reported = [text for w in self.workers if (text := w.error())]
         return "; ".join(dead + reported) or repr(error)
 
-    def _watch(self) -> None:
-        while not self._closed.wait(_WATCH_INTERVAL_S):
-            dead = [w for w in self.workers if not w.process.is_alive()]
-            if dead:
-                reason = "; ".join(f"tensor-parallel rank {w.rank} exited with code {w.process.exitcode}" for w in dead)
-                logger.error("%s: the engine cannot continue", reason)
-                for callback in self._failure_callbacks:
-                    callback(reason)
-                return
+
+
+def _watch_workers(workers: list[_Worker], closed: threading.Event, callbacks: list[Callable[[str], None]]) -> None:
+    while not closed.wait(_WATCH_INTERVAL_S):
+        dead = [w for w in workers if not w.process.is_alive()]
+        if dead:
+            reason = "; ".join(f"tensor-parallel rank {w.rank} exited with code {w.process.exitcode}" for w in dead)
+            logger.error("%s: the engine cannot continue", reason)
+            for callback in callbacks:
+                callback(reason)
+            return
 
 
 def _rank_config(config: VllmConfig, cores: Optional[list[list[int]]], rank: int) -> VllmConfig:

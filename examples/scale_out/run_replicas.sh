@@ -79,17 +79,22 @@ for i in $(seq 1 "$N"); do
     echo "replica $i: ${URLS[-1]} (log: $LOG_DIR/replica_$i.log)"
 done
 
-# The router waits for every replica's /health itself; waiting here first reports a replica
-# that fails to start with its own log instead of a router timeout.
-for i in $(seq 1 "$N"); do
-    until curl -sf "${URLS[$((i - 1))]}/health" >/dev/null; do
-        if ! kill -0 "${PIDS[$((i - 1))]}" 2>/dev/null; then
-            echo "replica $i exited; the end of its log:" >&2
-            tail -n 20 "$LOG_DIR/replica_$i.log" >&2
+# wait_up URL PID LOG NAME: until URL answers; if PID exits first, show the end of LOG and fail.
+wait_up() {
+    until curl -sf "$1" >/dev/null; do
+        if ! kill -0 "$2" 2>/dev/null; then
+            echo "$4 exited; the end of its log:" >&2
+            tail -n 20 "$3" >&2
             exit 1
         fi
         sleep 1
     done
+}
+
+# The router waits for every replica's /health itself; waiting here first reports a replica
+# that fails to start with its own log instead of a router timeout.
+for i in $(seq 1 "$N"); do
+    wait_up "${URLS[$((i - 1))]}/health" "${PIDS[$((i - 1))]}" "$LOG_DIR/replica_$i.log" "replica $i"
 done
 
 policy_args=(--policy "$POLICY")
@@ -98,14 +103,7 @@ vllm-router --host 0.0.0.0 --port "$PORT" --worker-urls "${URLS[@]}" "${policy_a
     --worker-startup-check-interval 1 --health-check-interval-secs 5 \
     --prometheus-host 127.0.0.1 --prometheus-port $((PORT + N + 1)) >"$LOG_DIR/router.log" 2>&1 &
 PIDS+=($!)
-until curl -sf "http://127.0.0.1:$PORT/readiness" >/dev/null; do
-    if ! kill -0 "${PIDS[-1]}" 2>/dev/null; then
-        echo "the router exited; the end of its log:" >&2
-        tail -n 20 "$LOG_DIR/router.log" >&2
-        exit 1
-    fi
-    sleep 1
-done
+wait_up "http://127.0.0.1:$PORT/readiness" "${PIDS[-1]}" "$LOG_DIR/router.log" "the router"
 echo "router ($POLICY): http://127.0.0.1:$PORT  (metrics: http://127.0.0.1:$((PORT + N + 1))/metrics)"
 echo "Ctrl-C stops everything."
 wait -n "${PIDS[@]}"

@@ -100,11 +100,12 @@ def write_random_adapter(path: str, hf_config, rank: int, targets: list[str], se
 def measured_matmul_flops(shapes: list[tuple[int, int]], num_tokens: int, dtype: torch.dtype, device: str) -> float:
     """FLOP/s of this machine on the model's own linear shapes ([tokens, in] x [in, out]),
     with the fastest implementation available here: F.linear, and on CPU also oneDNN
-    with pre-packed weights (what the engine uses), so the floor is never flattering."""
+    with pre-packed weights wherever it packs the dtype (whether or not the engine uses it),
+    so the floor is never flattering."""
     from vllm.model_executor.layers.linear import onednn_linear, pack_onednn_weight
-    from vllm.platforms import use_onednn_linear
+    from vllm.platforms import onednn_packs
 
-    use_onednn = use_onednn_linear(torch.device(device), dtype)
+    use_onednn = device == "cpu" and onednn_packs(dtype)
     total_flops, total_time = 0.0, 0.0
     for n_in, n_out in shapes:
         x = torch.randn(num_tokens, n_in, dtype=dtype, device=device)

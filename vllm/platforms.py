@@ -76,18 +76,32 @@ def use_triton_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def use_onednn_linear(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
-    """CPU linears run on oneDNN with weights pre-packed into its blocked layout (about
-    2x faster than MKL's sgemm on the small-M shapes of decoding); F.linear stays the
-    reference path. oneDNN packs half-precision weights only where the CPU supports them
-    (bf16: AVX512-BW/VL/DQ or AVX-NE-CONVERT; fp16: AVX512-FP16 or AVX-NE-CONVERT); elsewhere
-    those dtypes stay on F.linear rather than fail at load."""
-    if device.type != "cpu" or envs.VLLM_USE_TORCH_REFERENCE_OPS or not torch.backends.mkldnn.is_available():
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch's oneDNN can pre-pack and run `dtype` weights on this CPU: half
+    precision only where the CPU supports it (bf16: AVX512-BW/VL/DQ or AVX-NE-CONVERT; fp16:
+    AVX512-FP16 or AVX-NE-CONVERT)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     half_supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
     if dtype in half_supported and not getattr(torch.ops.mkldnn, half_supported[dtype])():
         return False
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def use_onednn_linear(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """CPU linears run on oneDNN with weights pre-packed into its blocked layout where it packs
+    the dtype (about 2x faster than MKL's sgemm on the small-M shapes of decoding), except fp32
+    wherever the native GEMV (layers/dense_gemv.py) is built: fp32 weights then stay row-major,
+    the GEMV runs decodes at about the copy bandwidth (it reads only the plain layout), and
+    MKL's sgemm runs fp32 prefills as fast as oneDNN's packed weights (measured: SmolLM2 and
+    Granite-8B shapes, 128 and 2,048 rows). Elsewhere F.linear, which stays the reference path."""
+    if device.type != "cpu" or envs.VLLM_USE_TORCH_REFERENCE_OPS or not onednn_packs(dtype):
+        return False
+    if dtype == torch.float32:
+        from vllm.model_executor.layers import dense_gemv
+
+        return not dense_gemv.native_available()
+    return True
 
 
 def use_native_cpu_attention(device: torch.device) -> bool:

@@ -31,10 +31,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm.distributed.parallel_state import all_reduce
+from vllm.model_executor.layers.dense_gemv import dense_linear
 from vllm.model_executor.layers.quantization import QuantizedWeight, quantize, quantized_linear
 from vllm.model_executor.layers.tensor_parallel import Shard
 
@@ -143,7 +143,7 @@ class Linear(nn.Module):
             return out if bias is None else out.add_(bias)
         if self._packed is not None:
             return onednn_linear(x, self._packed, bias)
-        return F.linear(x, self.weight, bias)
+        return dense_linear(x, self.weight, bias)  # few rows on the CPU: the native GEMV
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from `forward_local`'s (the identity unless row-parallel)."""

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.distributed.parallel_state import all_gather, all_reduce, get_tp
+from vllm.model_executor.layers.dense_gemv import dense_linear
 from vllm.model_executor.layers.linear import default_weight_loader, onednn_linear, pack_onednn_weight
 from vllm.model_executor.layers.quantization import METHODS, QuantizedWeight, quantize, quantized_linear
 from vllm.model_executor.layers.tensor_parallel import vocab_range
@@ -166,7 +167,7 @@ class LMHead(nn.Module):
         elif self._packed is not None:
             logits = onednn_linear(hidden_states, self._packed, None)
         else:
-            logits = F.linear(hidden_states, self.weight)
+            logits = dense_linear(hidden_states, self.weight)  # few rows on the CPU: the native GEMV
         if not self.sharded:
             return logits
         return all_gather(logits, dim=-1)[:, : self.vocab_size]  # [N, vocab_size]

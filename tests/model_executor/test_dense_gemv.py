@@ -1,0 +1,198 @@
+"""The native dense GEMV for few rows on the CPU (vllm/csrc/cpu/dense_gemv.cpp, wrapped by
+vllm/model_executor/layers/dense_gemv.py): fp32 and bf16 weights against the float64 reference
+on awkward shapes, results independent of the thread count and of how rows are batched, the
+portable build without AVX2, bad inputs refused before any work, the layers' dispatch (few rows
+native, many rows F.linear, the reference env F.linear throughout, LoRA and tensor-parallel shards
+on top), and the engine's greedy tokens and logprobs unchanged against the reference path."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.lora.conftest import generate_one
+from vllm import LLM, SamplingParams
+from vllm.model_executor.layers import dense_gemv as d
+from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.tensor_parallel import Shard
+from vllm.model_executor.layers.vocab_embedding import LMHead
+from vllm.platforms import use_onednn_linear
+
+CPU = torch.device("cpu")
+# K: under one vector (5), not a multiple of 8 (77), over one chunk of 1024 with a tail (1030).
+SHAPES = [(37, 5), (37, 77), (13, 1030)]
+
+
+def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    return x, weight, torch.randn(n, generator=gen)
+
+
+def _check(out: torch.Tensor, expected: torch.Tensor, k: int) -> None:
+    """Equal to the float64 reference up to fp32 rounding of a k-term sum."""
+    scale = max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(out, expected, atol=4e-7 * k ** 0.5 * scale, rtol=0)
+
+
+def test_native_kernel_builds_here():
+    """CI machines have a compiler: a silent fallback to F.linear would hide a build break."""
+    assert d.native_available(), d.native_build.unavailable_reason(d._SOURCE, d._WHAT)
+
+
+@pytest.mark.parametrize("dtype", d.WEIGHT_DTYPES)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, d.NATIVE_MAX_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_float64_reference(dtype, n, k, rows, bias):
+    x, weight, b = _inputs(rows, n, k, dtype, seed=rows * k + n)
+    b = b if bias else None
+    out = d.native_linear(x, weight, b)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    _check(out, d.reference_linear(x, weight, b), k)
+
+
+def test_bf16_activations_come_back_in_bf16():
+    x, weight, b = _inputs(3, 37, 77, torch.bfloat16, seed=1)
+    out = d.native_linear(x.bfloat16(), weight, b.bfloat16())
+    assert out.dtype == torch.bfloat16
+    expected = d.reference_linear(x.bfloat16(), weight, b.bfloat16()).bfloat16()
+    torch.testing.assert_close(out, expected, atol=0, rtol=2 ** -7)  # at most one bf16 rounding apart
+
+
+def test_result_does_not_depend_on_threads_or_batching():
+    """A row's output is bitwise the same on 1 or 2 threads and alone or among 16 rows."""
+    x, weight, b = _inputs(d.NATIVE_MAX_ROWS, 1001, 1030, torch.float32, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = d.native_linear(x, weight, b)
+        torch.set_num_threads(2)
+        assert torch.equal(d.native_linear(x, weight, b), one)
+    finally:
+        torch.set_num_threads(threads)
+    for row in (0, 7, d.NATIVE_MAX_ROWS - 1):
+        assert torch.equal(d.native_linear(x[row:row + 1], weight, b), one[row:row + 1])
+
+
+def test_portable_build_without_avx2_computes_the_same(tmp_path):
+    """The plain C++ path, the whole kernel where the compiler does not target AVX2, built here
+    without it under its own op namespace."""
+    from torch.utils import cpp_extension
+
+    no_avx2 = ["-mno-avx2"] if platform.machine() in ("x86_64", "AMD64") else []  # whatever the default -march
+    cpp_extension.load(name="vllm_dense_gemv_portable", sources=[os.path.join(d.native_build.CSRC_CPU, d._SOURCE)],
+                       extra_cflags=["-O3", "-fopenmp", "-DVLLM_DENSE_OPS=vllm_dense_portable", *no_avx2],
+                       extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), is_python_module=False)
+    for dtype in d.WEIGHT_DTYPES:
+        for n, k in SHAPES:
+            x, weight, b = _inputs(5, n, k, dtype, seed=k)
+            out = torch.empty(5, n)
+            torch.ops.vllm_dense_portable.dense_gemv(out, x, weight, b)
+            _check(out, d.reference_linear(x, weight, b), k)
+            _check(out, d.native_linear(x, weight, b), k)
+
+
+def test_bad_inputs_are_refused():
+    x, weight, b = _inputs(2, 6, 8, torch.float32, seed=3)
+    op = torch.ops.vllm_dense.dense_gemv
+    with pytest.raises(ValueError, match=r"x must end in the weight's 8 input features, got shape \(2, 7\)"):
+        d.native_linear(x[:, :7], weight, None)
+    with pytest.raises(ValueError, match=r"weight must be a 2-D fp32 or bf16 tensor \[N, K\], got torch.float16"):
+        d.native_linear(x, weight.half(), None)
+    with pytest.raises(ValueError, match=r"bias must have shape \(6,\), got \(5,\)"):
+        d.native_linear(x, weight, b[:5])
+    with pytest.raises(RuntimeError, match=r"x must be contiguous fp32 \[M, K\]"):
+        op(torch.empty(2, 6), x.double(), weight, None)
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous fp32 or bf16 \[N, K\]"):
+        op(torch.empty(2, 6), x, weight.t().contiguous().t(), None)
+    with pytest.raises(RuntimeError, match="weight has 7 input features, x has 8"):
+        op(torch.empty(2, 6), x, weight[:, :7].contiguous(), None)
+    with pytest.raises(RuntimeError, match=r"out must be contiguous fp32 \[M, N\] = \[2, 6\]"):
+        op(torch.empty(2, 5), x, weight, None)
+    with pytest.raises(RuntimeError, match=r"bias must be contiguous fp32 \[N\] = \[6\]"):
+        op(torch.empty(2, 6), x, weight, b.bfloat16())
+
+
+def _count_native(monkeypatch) -> list[int]:
+    calls = []
+    real = d.native_linear
+
+    def counting(x, weight, bias):
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(d, "native_linear", counting)
+    return calls
+
+
+def _linear(dtype: torch.dtype, shard=None) -> Linear:
+    layer = Linear(48, [40, 24], bias=True, dtype=dtype, device=CPU, shard=shard)
+    gen = torch.Generator().manual_seed(4)
+    layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen))
+    layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", d.WEIGHT_DTYPES)
+def test_layers_dispatch_on_rows(dtype, monkeypatch):
+    calls = _count_native(monkeypatch)
+    layer = _linear(dtype)
+    head = LMHead(101, 48, dtype, CPU)
+    head.weight.data.copy_(torch.randn(101, 48))
+    few, many = torch.randn(d.NATIVE_MAX_ROWS, 48).to(dtype), torch.randn(d.NATIVE_MAX_ROWS + 1, 48).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(layer(few), F.linear(few, layer.weight, layer.bias), **tol)
+    torch.testing.assert_close(head(few), F.linear(few, head.weight), **tol)
+    assert calls == [d.NATIVE_MAX_ROWS] * 2
+    assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))  # prefills: F.linear itself
+    assert torch.equal(head(many), F.linear(many, head.weight))
+    assert calls == [d.NATIVE_MAX_ROWS] * 2
+    monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
+    assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
+    assert torch.equal(head(few), F.linear(few, head.weight))
+    assert calls == [d.NATIVE_MAX_ROWS] * 2
+
+
+def test_fp32_weights_stay_row_major_on_the_cpu():
+    """The kernel reads the plain weight: fp32 is not repacked for oneDNN (prefills run MKL)."""
+    assert not use_onednn_linear(CPU, torch.float32)
+
+
+def test_row_parallel_shard_computes_its_partial_sum(monkeypatch):
+    """A row-parallel rank's forward_local is x's columns against its weight columns, no bias."""
+    calls = _count_native(monkeypatch)
+    full = _linear(torch.float32)
+    shard = Shard(in_range=(24, 24))  # rank 1 of 2: the second half of the input features
+    layer = _linear(torch.float32, shard=shard)
+    layer.weight_loader(layer.weight, full.weight.data, None)
+    x = torch.randn(3, 24)
+    _check(layer.forward_local(x), d.reference_linear(x, full.weight[:, 24:]), 24)
+    assert calls == [3]
+
+
+def _greedy(llm, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outputs = [generate_one(llm, p, params=params).outputs[0] for p in prompts]
+    return [(o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in outputs]
+
+
+def test_engine_greedy_matches_reference_ops(llama_dir, tokenizer, monkeypatch):
+    """Decodes on the native kernel, prefills on F.linear: the same tokens as the reference path,
+    logprobs within 1e-4."""
+    calls = _count_native(monkeypatch)
+    prompts = [tokenizer.encode("What is the capital of France?"), tokenizer.encode("one two three " * 8)]
+    got = _greedy(LLM(llama_dir, max_model_len=128, dtype="float32"), prompts)
+    assert calls and max(calls) <= d.NATIVE_MAX_ROWS
+    monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
+    calls.clear()
+    expected = _greedy(LLM(llama_dir, max_model_len=128, dtype="float32"), prompts)
+    assert not calls
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4

@@ -23,7 +23,8 @@ def test_wheel_carries_the_kernel_sources(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (wheel,) = [name for name in os.listdir(tmp_path) if name.endswith(".whl")]
     names = set(zipfile.ZipFile(tmp_path / wheel).namelist())
-    sources = sorted(n for n in os.listdir(os.path.join(ROOT, "vllm", "csrc", "cpu")) if n.endswith(".cpp"))
-    assert sources == ["fused_norm.cpp", "paged_attention.cpp", "quant_linear.cpp"]
+    sources = sorted(n for n in os.listdir(os.path.join(ROOT, "vllm", "csrc", "cpu")) if n.endswith((".cpp", ".h")))
+    assert sources == ["bf16_bits.h", "dense_gemv.cpp", "fused_norm.cpp", "paged_attention.cpp", "quant_linear.cpp",
+                       "rotary_kv.cpp"]
     assert {f"vllm/csrc/cpu/{n}" for n in sources} <= names
     assert "vllm/native_build.py" in names

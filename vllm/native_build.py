@@ -3,9 +3,11 @@ builder, for this CPU (-march=native), cached in torch's extension folder. The s
 package data: every install (a source checkout, `pip install .`, a wheel) carries them.
 
 Invariants:
-  - A build is keyed by a hash of the source, the compiler flags, what -march=native means on
-    this machine and the torch version: a cached build is only ever loaded by the code, CPU and
-    torch it was built for.
+  - A build is keyed by a hash of the source and the folder's headers, the compiler flags,
+    what -march=native means on this machine and the torch version: a cached build is only
+    ever loaded by the code, CPU and torch it was built for.
+  - A build lock older than STALE_LOCK_S (a build interrupted by a killed process) is removed
+    rather than waited on forever.
   - Each source is tried at most once per process. Any failure (no compiler, no ninja, a
     compiler that rejects -march=native, the source not shipped, a compile error) logs one
     warning and `unavailable_reason(source)` says why; callers then use their torch path.
@@ -13,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -33,6 +36,7 @@ CSRC_CPU = os.path.join(os.path.dirname(os.path.abspath(vllm.__file__)), "csrc",
 # enables `omp simd`; the extension links the libgomp torch already loaded, so
 # torch.set_num_threads applies.
 FLAGS = ["-O3", "-fopenmp", "-march=native"]
+STALE_LOCK_S = 900  # a build lock this old (seconds) belongs to an interrupted build
 
 
 @functools.cache
@@ -50,17 +54,48 @@ def native_target() -> str:
     return result.stdout
 
 
-def build_and_load(source: str, what: str) -> None:
-    """Compile (or load from cache) vllm/csrc/cpu/`source`, which registers its torch ops."""
-    from torch.utils import cpp_extension
+def _headers() -> bytes:
+    """The folder's shared headers (bf16_bits.h ...), part of every build's key: a kernel that
+    includes one is rebuilt when it changes."""
+    names = sorted(n for n in os.listdir(CSRC_CPU) if n.endswith(".h"))
+    return b"".join(open(os.path.join(CSRC_CPU, n), "rb").read() for n in names)
 
+
+def build_name(source: str) -> str:
+    """The extension's name: the source's stem and a hash of everything the build depends on."""
     path = os.path.join(CSRC_CPU, source)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} is missing (an install without vllm's package data)")
     with open(path, "rb") as f:
-        key = f.read() + "\0".join([*FLAGS, native_target(), torch.__version__]).encode()
-    name = f"vllm_{os.path.splitext(source)[0]}_" + hashlib.sha256(key).hexdigest()[:16]
-    cached = os.path.exists(os.path.join(cpp_extension._get_build_directory(name, verbose=False), name + ".so"))
+        key = f.read() + _headers() + "\0".join([*FLAGS, native_target(), torch.__version__]).encode()
+    return f"vllm_{os.path.splitext(source)[0]}_" + hashlib.sha256(key).hexdigest()[:16]
+
+
+def _clear_stale_lock(build_dir: str) -> None:
+    """torch's extension builder waits, without a timeout, for the lock file of a build that
+    another process started; a process killed mid-build (an engine stopped during its first
+    start) leaves the file behind and every later start would hang on it. A build takes a
+    minute at most, so a lock older than STALE_LOCK_S is an orphan: removed, with a warning."""
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return  # no lock
+    if age > STALE_LOCK_S:
+        logger.warning("Removing the stale build lock %s (%.0f s old: its build was interrupted).", lock, age)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock)
+
+
+def build_and_load(source: str, what: str) -> None:
+    """Compile (or load from cache) vllm/csrc/cpu/`source`, which registers its torch ops."""
+    from torch.utils import cpp_extension
+
+    name = build_name(source)
+    path = os.path.join(CSRC_CPU, source)
+    build_dir = cpp_extension._get_build_directory(name, verbose=False)
+    _clear_stale_lock(build_dir)
+    cached = os.path.exists(os.path.join(build_dir, name + ".so"))
     if not cached:
         logger.info("Building the %s, once (about 10-60 s); later starts load it from cache.", what)
     start = time.perf_counter()

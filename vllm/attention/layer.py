@@ -26,7 +26,7 @@ def _select_ops(device: torch.device):
     if use_native_cpu_attention(device):
         from vllm.attention.backends import cpu_native
 
-        return torch_ref.store_kv, cpu_native.paged_attention
+        return cpu_native.store_kv, cpu_native.paged_attention
     return torch_ref.store_kv, torch_ref.paged_attention
 
 

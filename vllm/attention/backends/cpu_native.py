@@ -42,6 +42,22 @@ def is_available() -> bool:
     return unavailable_reason() is None
 
 
+def rotary_kv_unavailable_reason() -> Optional[str]:
+    """Builds or loads vllm/csrc/cpu/rotary_kv.cpp (rotary embedding and the KV store, the two
+    small ops around attention; rotary.py calls its `rotary`). None on success, else why not."""
+    return native_build.unavailable_reason("rotary_kv.cpp", "CPU rotary and KV-store kernels")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """torch_ref.store_kv in one native call: no host sync to skip padding slots, no index
+    copies. Falls back to torch_ref where the kernel is unavailable or the layout differs."""
+    if (rotary_kv_unavailable_reason() is None and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
+            and slot_mapping.dtype == torch.int64 and kv_cache.is_contiguous()):
+        torch.ops.vllm_rotary_kv.store_kv(kv_cache, key, value, slot_mapping.contiguous())
+    else:
+        torch_ref.store_kv(key, value, kv_cache, slot_mapping)
+
+
 # Query tokens up to which a sequence runs the kernel rather than SDPA. Measured on a 2-core
 # AVX-512 machine (fp32, 9 query / 3 KV heads of 64, over a 2k-token context): the kernel
 # takes 0.35x torch_ref's time at 4 query tokens, 0.55x at 20, 0.8x at 128, 0.95x at 512, and

@@ -23,55 +23,16 @@
  */
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "bf16_bits.h"
 
 namespace {
 
-// bf16 is handled as its bits (uint16_t) with branch-free conversions the compiler vectorizes
-// (c10::BFloat16's own conversions do not vectorize: the bf16 kernel ran 10x slower than fp32).
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-template <typename T>
-inline T narrow(float v);
-
-template <>
-inline float narrow<float>(float v) {
-  return v;
-}
-
-// Round to nearest even, NaN to the quiet NaN: exactly c10::BFloat16's conversion, torch's casts.
-template <>
-inline uint16_t narrow<uint16_t>(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  return v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
-}
-
-// The element type a kernel works on: fp32 as is, bf16 as its bits.
-template <typename T>
-T* elements(const at::Tensor& t);
-
-template <>
-float* elements<float>(const at::Tensor& t) {
-  return t.data_ptr<float>();
-}
-
-template <>
-uint16_t* elements<uint16_t>(const at::Tensor& t) {
-  return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>());
-}
+using namespace vllm_cpu_bits;  // widen, narrow, elements: bf16 handled as its bits
 
 void check_common(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,

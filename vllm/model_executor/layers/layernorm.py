@@ -50,9 +50,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
-        # Subclasses with other numerics (Gemma's 1 + weight) keep the torch path.
+        # Subclasses with other numerics (Gemma's 1 + weight) keep the torch path. The kernel
+        # is built (or loaded) here, while the model is built, not by the first request.
         self._native = (device.type == "cpu" and dtype in _NATIVE_DTYPES and type(self)._norm is RMSNorm._norm
-                        and not envs.VLLM_USE_TORCH_REFERENCE_OPS)
+                        and not envs.VLLM_USE_TORCH_REFERENCE_OPS and native_unavailable_reason() is None)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()  # the same tensor when x is fp32: nothing below writes into it
@@ -64,8 +65,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        if (self._native and x.is_contiguous() and (residual is None or residual.is_contiguous())
-                and native_unavailable_reason() is None):
+        if self._native and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             return self.forward_cpu(x, residual)
         return self.forward_native(x, residual)
 

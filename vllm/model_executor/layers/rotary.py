@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm import envs
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 _REQUIRED_KEYS = {
     "linear": ("factor",),
@@ -225,10 +227,19 @@ def position_inv_freq(dim: int, params: dict, max_position: int) -> torch.Tensor
     return compute_inv_freq(dim, params)[None, :]
 
 
+def _native_rotary_available() -> bool:
+    from vllm.attention.backends.cpu_native import rotary_kv_unavailable_reason
+
+    return rotary_kv_unavailable_reason() is None
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates the first `rotary_dim` features of each q/k head. Runs in torch on every
     device: the Triton kernel in vllm/attention/ops/rotary.py is not on this path, so
-    partial rotary and every rope type need nothing from it."""
+    partial rotary and every rope type need nothing from it. On the CPU in fp32 and bf16 the
+    same arithmetic runs as one native call (vllm/csrc/cpu/rotary_kv.cpp: equal to the torch
+    path bit for bit) instead of about twelve small ops; `_rotate` stays the reference and
+    the fallback (no compiler, VLLM_USE_TORCH_REFERENCE_OPS)."""
 
     def __init__(self, head_size: int, max_position: int, params: dict, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -249,6 +260,9 @@ class RotaryEmbedding(nn.Module):
         # Non-persistent buffers: derived from the config, never in checkpoints.
         self.register_buffer("cos_cache", (freqs.cos() * attention_factor).to(dtype), persistent=False)
         self.register_buffer("sin_cache", (freqs.sin() * attention_factor).to(dtype), persistent=False)
+        # The kernel is built (or loaded) here, while the model is built, not by the first request.
+        self._native = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                        and not envs.VLLM_USE_TORCH_REFERENCE_OPS and _native_rotary_available())
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_size]; cos, sin: [num_tokens, 1, rotary_dim // 2].
@@ -268,6 +282,12 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._native and query.dtype == key.dtype == self.cos_cache.dtype and query.stride(-1) == key.stride(-1) == 1:
+            out_q = torch.empty(query.shape, dtype=query.dtype)  # [num_tokens, num_heads, head_size]
+            out_k = torch.empty(key.shape, dtype=key.dtype)  # [num_tokens, num_kv_heads, head_size]
+            torch.ops.vllm_rotary_kv.rotary(out_q, out_k, query, key, positions.to(torch.int64).contiguous(),
+                                            self.cos_cache, self.sin_cache)
+            return out_q, out_k
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [num_tokens, 1, rotary_dim // 2]
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

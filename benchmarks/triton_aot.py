@@ -1,9 +1,11 @@
 """Ahead-of-time compile check: every Triton kernel of the engine compiled for real NVIDIA
 targets (sm_80, sm_90) on a machine without a GPU, with its resource usage.
 
-    python benchmarks/triton_aot.py                # full matrix, sm_80 and sm_90
-    python benchmarks/triton_aot.py --arch 90      # one target
-    python benchmarks/triton_aot.py --quick        # every kernel and constexpr branch once per arch (CI)
+    python benchmarks/triton_aot.py                  # full matrix, sm_80 and sm_90, every row printed
+    python benchmarks/triton_aot.py --arch 90        # one target
+    python benchmarks/triton_aot.py --quick          # every kernel and constexpr branch once per arch
+    python benchmarks/triton_aot.py --update-record  # full matrix -> triton_aot_record.json + docs/triton_aot.md
+    python benchmarks/triton_aot.py --ci             # full matrix through the record (CI, gpu_check.sh)
 
 What it owns: the list of launched specializations (built by calling each kernel module's
 *_launch function, the same table its launcher passes to the kernel, never a copy) and the
@@ -29,7 +31,10 @@ Invariants:
   soft cap, sinks) is three constexpr flags: the full matrix compiles all eight
   combinations, --quick none and all three.
 - Compiled kernels are cached by triton itself (TRITON_CACHE_DIR, default ~/.triton/cache):
-  a second run only re-reads the cubins.
+  a second run only re-reads the cubins. A clean CI machine has no such cache, so `--ci`
+  takes the full matrix from the committed record (benchmarks/triton_aot_record.py says
+  when an entry still vouches for a compile), compiles the --quick sample plus whatever the
+  record lacks and fails when a fresh compile contradicts its entry.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import triton_aot_record as record_mod  # noqa: E402
 
 # Max dynamic shared memory per block with opt-in (CUDA programming guide, compute capability
 # table): sm_80 (A100) 163 KiB, sm_90 (H100/H200) 227 KiB. Registers: 64K per SM and block.
@@ -71,6 +78,16 @@ MODEL_SHAPES = (
     ("qwen2.5-7b", 3584, 28, 4, 128),
     ("qwen3-0.6b", 1024, 16, 8, 128),
     ("qwen3-8b", 4096, 32, 8, 128),
+    ("phi-3-mini", 3072, 32, 32, 96),
+    ("phi-4-mini", 3072, 24, 8, 128),
+    ("gemma-2b", 2048, 8, 1, 256),
+    ("gemma-2-2b", 2304, 8, 4, 256),
+    ("gemma-2-9b", 3584, 16, 8, 256),
+    ("gemma-2-27b", 4608, 32, 16, 128),
+    ("gemma-3-1b", 1152, 4, 1, 256),
+    ("gemma-3-12b", 3840, 16, 8, 256),
+    ("olmoe-1b-7b", 2048, 16, 16, 128),
+    ("gpt-oss-20b", 2880, 64, 8, 64),
 )
 LORA_RANKS = (8, 16, 32, 64)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -81,6 +98,8 @@ MOE_SHAPES = (
     ("mixtral-8x7b", 4096, 14336),
     ("qwen3-30b-a3b", 2048, 768),
     ("granite-3.0-3b-a800m", 1536, 512),
+    ("olmoe-1b-7b", 2048, 1024),
+    ("gpt-oss-20b", 2880, 2880),
 )
 
 # kernel name -> (module, pointer element types other than the model dtype)
@@ -237,10 +256,82 @@ def verdict(res: dict, arch: int, dtype: str = "bf16") -> str:
     return "ok"
 
 
+def kernel_tables(rows: list) -> tuple[list[str], int]:
+    """One markdown table per kernel of (spec, arch, resources, origin) rows, and the failures."""
+    lines, failures = [], 0
+    for kernel in KERNELS:
+        mine = [r for r in rows if r[0].kernel == kernel]
+        if not mine:
+            continue
+        lines += ["", f"## `{kernel}`", "", "| arch | dtype | constexprs | warps | regs | spill B | smem KiB | from | status |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for spec, arch, res, _ in mine:
+            status = verdict(res, arch, spec.dtype)
+            failures += status.startswith("FAIL")
+            if "error" in res:
+                lines.append(f"| sm_{arch} | {spec.dtype} | {spec.label()} | | | | | {spec.source} | {status}: {res['error']} |")
+                continue
+            lines.append(f"| sm_{arch} | {spec.dtype} | {spec.label()} | {res['warps']} | {res['reg']} | "
+                         f"{res['local'] + res['stack']} | {res['smem'] / 1024:.1f} | {spec.source} | {status} |")
+    return lines, failures
+
+
+def summary_table(rows: list) -> list[str]:
+    """Per kernel: specializations, how many compiled in this run, the worst resources, failures."""
+    lines = ["| kernel | specializations | compiled now | max registers (bf16/fp16) | spilling bf16/fp16 | "
+             "spilling fp32 | max smem KiB | failures |", "|---|---|---|---|---|---|---|---|"]
+    for kernel in KERNELS:
+        mine = [r for r in rows if r[0].kernel == kernel]
+        if not mine:
+            continue
+        built = [(s, a, r) for s, a, r, _ in mine if "error" not in r]
+        half = [r for s, _, r in built if s.dtype != "fp32"]
+        spills = lambda group: sum(1 for r in group if r["local"] or r["stack"])  # noqa: E731
+        fails = sum(verdict(r, a, s.dtype).startswith("FAIL") for s, a, r, _ in mine)
+        lines.append(f"| `{kernel}` | {len(mine)} | {sum(o == 'compiled' for *_, o in mine)} | "
+                     f"{max((r['reg'] for r in half), default=0)} | {spills(half)} | "
+                     f"{spills([r for s, _, r in built if s.dtype == 'fp32'])} | "
+                     f"{max((r['smem'] for _, _, r in built), default=0) / 1024:.1f} | {fails} |")
+    return lines
+
+
+def _compile_all(jobs: list, workers: int) -> list:
+    if not jobs:
+        return []
+    with ProcessPoolExecutor(max(1, workers)) as pool:
+        return list(pool.map(compile_one, *zip(*jobs)))
+
+
+def plan_ci(specs: list, quick: list, archs: list, record: dict, sources: dict) -> tuple[list, list, int]:
+    """(specializations the record vouches for, with their entries; specializations to compile
+    now; how many of those the record lacks): the quick sample is always compiled, to be
+    compared with its entries."""
+    quick_keys = {(s.kernel, s.dtype, s.launch) for s in quick}
+    vouched, fresh, missing = [], [], 0
+    for arch in archs:
+        for spec in specs:
+            entry = record_mod.recorded(record, sources, spec, arch)
+            if entry is not None:
+                vouched.append((spec, arch, entry))
+            missing += entry is None
+            if entry is None or (spec.kernel, spec.dtype, spec.launch) in quick_keys:
+                fresh.append((spec, arch))
+    return vouched, fresh, missing
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(SMEM_LIMIT))
-    parser.add_argument("--quick", action="store_true", help="every kernel and constexpr branch once per arch")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="every kernel and constexpr branch once per arch")
+    mode.add_argument("--ci", action="store_true",
+                      help="the full matrix from the committed record, compiling the quick sample and whatever "
+                           "the record cannot vouch for")
+    mode.add_argument("--update-record", action="store_true",
+                      help="compile the full matrix for sm_80 and sm_90 and rewrite the record and docs/triton_aot.md")
+    parser.add_argument("--max-fresh", type=int, default=96,
+                        help="--ci: most specializations missing from the record it compiles before failing")
+    parser.add_argument("--record", default=record_mod.RECORD_PATH, help=argparse.SUPPRESS)  # tests
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     import triton
@@ -249,31 +340,48 @@ def main(argv=None) -> int:
 
     if not isinstance(_rms_norm_kernel, triton.runtime.jit.JITFunction):
         parser.error("the kernels are interpreted functions here: unset TRITON_INTERPRET.")
+    archs = sorted(SMEM_LIMIT) if args.update_record else args.arch
     specs = launched_specs(args.quick)
-    jobs = [(spec, arch) for arch in args.arch for spec in specs]
+    vouched, jobs = [], [(spec, arch) for arch in archs for spec in specs]
+    sources = {k: record_mod.source_key(getattr(importlib.import_module(m), k)) for k, (m, _) in KERNELS.items()}
+    record = record_mod.load(args.record)
+    if args.ci:
+        vouched, jobs, missing = plan_ci(specs, launched_specs(True), archs, record, sources)
+        stale = sorted(k for k in KERNELS if record["sources"].get(k) != sources[k])
+        if missing > args.max_fresh:
+            print(f"{missing} specializations are not vouched for by {os.path.relpath(args.record)} "
+                  f"(kernels whose source changed since it was written: {', '.join(stale) or 'none'}); "
+                  "regenerate it with `python benchmarks/triton_aot.py --update-record` (full matrix, about a "
+                  "second of one core per compile when cold) and commit it with docs/triton_aot.md.")
+            return 1
     start = time.perf_counter()
-    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        results = list(pool.map(compile_one, *zip(*jobs)))
-    print(f"triton {triton.__version__}: {len(jobs)} compiles in {time.perf_counter() - start:.0f} s "
-          f"(smem limit per block: " + ", ".join(f"sm_{a} {SMEM_LIMIT[a] // 1024} KiB" for a in args.arch) + ")")
-    failures = 0
-    for kernel in KERNELS:
-        rows = [(s, a, r) for (s, a), r in zip(jobs, results) if s.kernel == kernel]
-        if not rows:
-            continue
-        print(f"\n{kernel}\n| arch | dtype | constexprs | warps | regs | spill B | smem KiB | from | status |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for spec, arch, res in rows:
-            status = verdict(res, arch, spec.dtype)
-            failures += status.startswith("FAIL")
-            if "error" in res:
-                print(f"| sm_{arch} | {spec.dtype} | {spec.label()} | | | | | {spec.source} | {status}: {res['error']} |")
-                continue
-            print(f"| sm_{arch} | {spec.dtype} | {spec.label()} | {res['warps']} | {res['reg']} | "
-                  f"{res['local'] + res['stack']} | {res['smem'] / 1024:.1f} | {spec.source} | {status} |")
+    results = _compile_all(jobs, args.jobs)
+    header = (f"triton {triton.__version__}: {len(jobs)} compiles in {time.perf_counter() - start:.0f} s"
+              + (f", {len(vouched)} specializations from the record" if args.ci else "")
+              + " (smem limit per block: " + ", ".join(f"sm_{a} {SMEM_LIMIT[a] // 1024} KiB" for a in archs) + ")")
+    fresh = {(s.kernel, s.dtype, s.launch, a): r for (s, a), r in zip(jobs, results)}
+    rows, failures = [], 0
+    for spec, arch, entry in vouched:
+        now = fresh.pop((spec.kernel, spec.dtype, spec.launch, arch), None)
+        why = record_mod.disagreement(entry, now) if now is not None else None
+        if why:
+            failures += 1
+            print(f"FAIL record: sm_{arch} {spec.kernel} {spec.dtype} {spec.label()}: {why}")
+        rows.append((spec, arch, now or entry, "compiled" if now else "record"))
+    rows += [(s, a, fresh[(s.kernel, s.dtype, s.launch, a)], "compiled") for s, a in jobs
+             if (s.kernel, s.dtype, s.launch, a) in fresh]
+    tables, failed = kernel_tables(rows)
+    failures += failed
+    summary = summary_table(rows)
+    print(header, "", *summary, sep="\n")
+    if not args.ci:
+        print(*tables, sep="\n")
     for kernel, where in NOT_CHECKED.items():
         print(f"\nNOT CHECKED: {kernel} in {where}: its launcher has no launch table yet")
-    print(f"\n{len(jobs) - failures}/{len(jobs)} pass")
+    if args.update_record:
+        record_mod.save(sources, [(s, a, r) for s, a, r, _ in rows], args.record)
+        record_mod.write_table(header, summary, tables)
+    print(f"\n{len(rows) - failures}/{len(rows)} pass")
     return 1 if failures else 0
 
 

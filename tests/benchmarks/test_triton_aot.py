@@ -1,6 +1,7 @@
-"""benchmarks/triton_aot.py: the CI run of the ahead-of-time compile check (--quick: every
-kernel and every constexpr branch once per arch, for sm_80 and sm_90), and the checks that
-keep its kernel list and launch tables in step with the engine's code."""
+"""benchmarks/triton_aot.py: the CI run of the ahead-of-time compile check (--ci: the full
+matrix for sm_80 and sm_90 through the committed record, compiling every kernel and every
+constexpr branch once per arch and comparing them with it), the record's rules, and the
+checks that keep the kernel list and launch tables in step with the engine's code."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 
-from benchmarks import triton_aot
+from benchmarks import triton_aot, triton_aot_record
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -70,16 +71,96 @@ def test_verdict_flags_spills_and_shared_memory():
     assert triton_aot.verdict({"error": "CompilationError: x"}, 90) == "FAIL compile"
 
 
-def test_quick_compile_for_sm80_and_sm90():
-    """Compiles for real targets (ptxas), so it runs without the interpreter, in a subprocess."""
-    pytest.importorskip("triton.backends.nvidia")
+def _run_aot(*args: str) -> subprocess.CompletedProcess:
+    """The script for real targets (ptxas): without the interpreter, in a subprocess."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 is its default
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "triton_aot.py"), "--quick", "--arch", "80", "90"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_aot.py"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _sources() -> dict:
+    import importlib
+
+    return {k: triton_aot_record.source_key(getattr(importlib.import_module(m), k))
+            for k, (m, _) in triton_aot.KERNELS.items()}
+
+
+def test_committed_record_vouches_for_the_full_matrix():
+    """Every launched specialization on both targets is in the record with its kernel's
+    current source key, and passes: regenerate with --update-record after a kernel change."""
+    specs = triton_aot.launched_specs(quick=False)
+    record = triton_aot_record.load()
+    vouched, fresh, missing = triton_aot.plan_ci(specs, triton_aot.launched_specs(True), [80, 90], record, _sources())
+    assert missing == 0, "run `python benchmarks/triton_aot.py --update-record` and commit the record"
+    assert len(vouched) == 2 * len(specs)
+    bad = [(s.kernel, s.dtype, s.label(), a) for s, a, r in vouched if triton_aot.verdict(r, a, s.dtype).startswith("FAIL")]
+    assert not bad
+    assert len(fresh) == 2 * len(triton_aot.launched_specs(True))  # only the sample is compiled
+
+
+def test_ci_mode_compiles_the_sample_and_checks_it_against_the_record():
+    pytest.importorskip("triton.backends.nvidia")
+    proc = _run_aot("--ci", "--arch", "80", "90")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "specializations from the record" in proc.stdout
     for kernel in triton_aot.KERNELS:
-        assert f"\n{kernel}\n" in proc.stdout
+        assert f"| `{kernel}` |" in proc.stdout
     assert "FAIL" not in proc.stdout
+
+
+def test_ci_mode_fails_naming_the_command_when_the_record_lacks_too_much(tmp_path):
+    pytest.importorskip("triton.backends.nvidia")
+    proc = _run_aot("--ci", "--record", str(tmp_path / "empty.json"), "--max-fresh", "10")
+    assert proc.returncode == 1
+    assert "--update-record" in proc.stdout and "not vouched for" in proc.stdout
+
+
+_KERNEL_MODULE = """
+import triton
+import triton.language as tl
+
+SCALE = {scale}
+UNUSED = 1
+
+
+@triton.jit
+def _helper(x):
+    return x * {factor}
+
+
+@triton.jit
+def kernel(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, _helper(tl.load(x_ptr + offs)) * SCALE)
+
+
+def python_code_elsewhere():
+    return {elsewhere}
+"""
+
+
+def _key(tmp_path, name: str, **values) -> str:
+    import importlib.util
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(_KERNEL_MODULE.format(**{"scale": 2, "factor": 3, "elsewhere": 0, **values}))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return triton_aot_record.source_key(module.kernel)
+
+
+def test_source_key_follows_the_kernel_its_helpers_and_constants_only(tmp_path):
+    base = _key(tmp_path, "k0")
+    assert _key(tmp_path, "k1") == base  # same code in another module
+    assert _key(tmp_path, "k2", elsewhere=5) == base  # code the kernel does not reach
+    assert _key(tmp_path, "k3", factor=4) != base  # a helper it calls
+    assert _key(tmp_path, "k4", scale=5) != base  # a global constant it reads
+
+
+def test_record_entry_disagreement():
+    entry = dict(reg=100, local=0, stack=0, smem=1024, warps=4)
+    assert triton_aot_record.disagreement(entry, dict(entry, seconds=1.0)) is None
+    assert triton_aot_record.disagreement(entry, dict(entry, reg=120)) == "reg 100 -> 120"
+    assert "now CompilationError" in triton_aot_record.disagreement(entry, {"error": "CompilationError: x"})

@@ -56,12 +56,12 @@ def _store_kv_kernel(
 
 def store_kv_launch(num_kv_heads: int, head_size: int) -> dict:
     """Constexprs and launch options of _store_kv_kernel: the one table store_kv and
-    benchmarks/triton_aot.py both use."""
-    return dict(
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_size),
-        num_warps=4,
-    )
+    benchmarks/triton_aot.py both use. One warp per 256 elements of a token's [heads, dims]
+    tile (4 to 16): 2048-element tiles on 4 warps (Gemma 2's 16 x 128 and 8 x 256) spilled in
+    bf16/fp16, each thread holding 16 keys, 16 values and their 64-bit addresses (found by
+    benchmarks/triton_aot.py)."""
+    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_size)
+    return dict(BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(4, min(16, block_h * block_d // 256)))
 
 
 def check_slot_layout(kv_cache: torch.Tensor) -> None:

@@ -406,13 +406,19 @@ def decode_reduce_launch(head_size: int, num_splits: int) -> dict:
     return dict(BLOCK_D=max(16, triton.next_power_of_2(head_size)), NUM_SPLITS=num_splits, num_warps=4)
 
 
-def prefill_launch(head_size: int, group: int, dtype: torch.dtype, block_m: int = 64,
+def prefill_launch(head_size: int, group: int, dtype: torch.dtype, block_m: int | None = None,
                    sliding_window: bool = False, soft_cap: bool = False, sinks: bool = False) -> dict:
     """Constexprs and launch options of _prefill_kernel (BLOCK_Q query tokens x BLOCK_G heads
     = about block_m rows per program); BLOCK_N, num_warps and the variant flags as in
-    decode_launch, for the same reasons (spills at 64-key tiles on 4 warps)."""
+    decode_launch, for the same reasons (spills at 64-key tiles on 4 warps).
+
+    block_m defaults to 64 rows up to head size 128 and 32 above: a program holds its rows'
+    queries and fp32 accumulators in registers, and 64 rows of 256 dimensions (Gemma) spilled
+    8-296 bytes on sm_80 and sm_90 in bf16/fp16 (found by benchmarks/triton_aot.py)."""
     block_g = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_size))
+    if block_m is None:
+        block_m = 64 if block_d <= 128 else 32
     return dict(
         BLOCK_Q=max(1, block_m // block_g),
         BLOCK_G=block_g,
@@ -475,7 +481,7 @@ def paged_prefill(
     num_prefills: int,
     max_query_len: int,
     scale: float,
-    block_m: int = 64,
+    block_m: int | None = None,
     variant: AttentionVariant = PLAIN,
 ) -> None:
     """Causal attention of sequences first_seq .. first_seq + num_prefills - 1 over their

@@ -101,7 +101,9 @@ def measured_matmul_flops(shapes: list[tuple[int, int]], num_tokens: int, dtype:
     """FLOP/s of this machine on the model's own linear shapes ([tokens, in] x [in, out]),
     with the fastest implementation available here: F.linear, and on CPU also oneDNN
     with pre-packed weights wherever it packs the dtype (whether or not the engine uses it),
-    so the floor is never flattering."""
+    and bf16 widened to fp32 tiles where bf16 matmuls are emulated (what the engine runs), so
+    the floor is never flattering."""
+    from vllm.model_executor.layers import dense_gemv
     from vllm.model_executor.layers.linear import onednn_linear, pack_onednn_weight
     from vllm.platforms import onednn_packs
 
@@ -114,6 +116,8 @@ def measured_matmul_flops(shapes: list[tuple[int, int]], num_tokens: int, dtype:
         if use_onednn:
             packed = pack_onednn_weight(w, num_tokens)
             candidates.append(lambda: onednn_linear(x, packed, None))
+        if device == "cpu" and dense_gemv.uses_widened(x, w):  # bf16 without native bf16: fp32 tiles
+            candidates.append(lambda: dense_gemv.widened_linear(x, w, None))
         best = min(best_time(fn, device) for fn in candidates)
         total_time += best
         total_flops += 2.0 * num_tokens * n_in * n_out

@@ -150,13 +150,33 @@ def test_layers_dispatch_on_rows(dtype, monkeypatch):
     torch.testing.assert_close(layer(few), F.linear(few, layer.weight, layer.bias), **tol)
     torch.testing.assert_close(head(few), F.linear(few, head.weight), **tol)
     assert calls == [d.NATIVE_MAX_ROWS] * 2
-    assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))  # prefills: F.linear itself
-    assert torch.equal(head(many), F.linear(many, head.weight))
+    # Prefills: F.linear itself, or for bf16 on a CPU without native bf16 its widened fp32 form.
+    many_path = d.widened_linear if dtype == torch.bfloat16 and d.bf16_matmul_emulated() else F.linear
+    assert torch.equal(layer(many), many_path(many, layer.weight, layer.bias))
+    assert torch.equal(head(many), many_path(many, head.weight, None))
     assert calls == [d.NATIVE_MAX_ROWS] * 2
     monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
     assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
     assert torch.equal(head(few), F.linear(few, head.weight))
     assert calls == [d.NATIVE_MAX_ROWS] * 2
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_bf16_linear_is_the_fp32_product_rounded_once(bias, monkeypatch):
+    """Many rows of bf16 where the CPU would emulate bf16: fp32 products over tiles of the
+    weight (a small tile here, so several tiles and a short last one), rounded to bf16."""
+    monkeypatch.setattr(d, "WIDEN_TILE_ROWS", 16)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 77, generator=gen).bfloat16()
+    w = torch.randn(37, 77, generator=gen).bfloat16()
+    b = torch.randn(37, generator=gen).bfloat16() if bias else None
+    out = d.widened_linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (40, 37)
+    ref = d.reference_linear(x, w, b)  # float64 sums, returned as fp32
+    torch.testing.assert_close(out.float(), ref, atol=1e-4, rtol=2.0**-8)  # one bf16 rounding
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=0.1, rtol=2e-2)  # torch's emulated bf16
+    monkeypatch.setattr(d, "bf16_matmul_emulated", lambda: False)  # a CPU with native bf16: F.linear
+    assert not d.uses_widened(x, w)
 
 
 def test_fp32_weights_stay_row_major_on_the_cpu():

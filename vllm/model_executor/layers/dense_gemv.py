@@ -12,8 +12,9 @@ bf16 weight stored plain row-major [N, K] (not oneDNN-packed), once the kernel i
 under VLLM_USE_TORCH_REFERENCE_OPS. Everything else (prefills, other dtypes, CUDA, the reference
 path) runs F.linear: on fp32 that is MKL's sgemm, which prefill shapes run at least as fast as
 oneDNN's packed weights, so fp32 weights stay row-major on the CPU and serve both paths
-(platforms.py `use_onednn_linear`). bf16 prefills on a CPU without native bf16 are F.linear's
-emulated bf16, as before.
+(platforms.py `use_onednn_linear`). Many rows of bf16 on a CPU without native bf16 (where
+F.linear would emulate bf16 element by element) run in fp32 on weight tiles widened exactly,
+rounded to bf16 once (`widened_linear`), as fast as an fp32 prefill.
 
 Invariants:
   - The weight is read where it lives: no copy, no second layout, so a tied LM head reads the
@@ -24,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -38,6 +40,7 @@ from vllm import envs, native_build
 # 2x faster on Granite's shapes and 1.3x on SmolLM2's LM head, the biggest part of its step, but
 # 1.3x slower on its small cache-resident layers; at 32 and beyond F.linear wins on most shapes.
 NATIVE_MAX_ROWS = 16
+WIDEN_TILE_ROWS = 1024  # output rows of a bf16 weight widened to fp32 at once (many-row path)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 _SOURCE, _WHAT = "dense_gemv.cpp", "CPU dense GEMV kernel"
 
@@ -71,10 +74,41 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return out.view(*x.shape[:-1], n).to(x.dtype)
 
 
+@functools.cache
+def bf16_matmul_emulated() -> bool:
+    """Whether this CPU lacks native bf16 matmuls (oneDNN packs bf16 exactly where it has them)."""
+    from vllm.platforms import onednn_packs
+
+    return not onednn_packs(torch.bfloat16)
+
+
+def uses_widened(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Many rows of bf16 on a CPU without native bf16: torch would emulate the bf16 matmul
+    element by element (about 6x slower than fp32 on 2,048 rows)."""
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
+            and x.dtype == weight.dtype == torch.bfloat16 and not envs.VLLM_USE_TORCH_REFERENCE_OPS
+            and bf16_matmul_emulated())
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear in fp32 on x and WIDEN_TILE_ROWS output rows of the weight at a time, widened
+    exactly from bf16 (the temporary stays a few MiB), rounded to bf16 once at the end: what
+    an fp32 prefill costs, plus the widening."""
+    xf = x.float()  # [..., K]
+    out = torch.cat([F.linear(xf, weight[start:start + WIDEN_TILE_ROWS].float())
+                     for start in range(0, weight.shape[0], WIDEN_TILE_ROWS)], dim=-1)  # [..., N] fp32
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), on the native kernel where `uses_native` says so."""
+    """F.linear(x, weight, bias): few rows on the native kernel (`uses_native`), many rows of
+    bf16 on a CPU without native bf16 widened to fp32 (`uses_widened`), else F.linear itself."""
     if uses_native(x, weight):
         return native_linear(x, weight, bias)
+    if uses_widened(x, weight):
+        return widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

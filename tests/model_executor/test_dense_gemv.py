@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.lora.conftest import generate_one
+from tests.utils.threads import on_thread_counts
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers import dense_gemv as d
 from vllm.model_executor.layers.linear import Linear
@@ -40,8 +41,10 @@ def _check(out: torch.Tensor, expected: torch.Tensor, k: int) -> None:
     torch.testing.assert_close(out, expected, atol=4e-7 * k ** 0.5 * scale, rtol=0)
 
 
-def test_native_kernel_builds_here():
-    """CI machines have a compiler: a silent fallback to F.linear would hide a build break."""
+@pytest.fixture(scope="module", autouse=True)
+def native_kernel():
+    """CI machines have a compiler: a silent fallback to F.linear would hide a build break.
+    Every test here may call the op directly, so it is loaded before any of them runs."""
     assert d.native_available(), d.native_build.unavailable_reason(d._SOURCE, d._WHAT)
 
 
@@ -68,14 +71,8 @@ def test_bf16_activations_come_back_in_bf16():
 def test_result_does_not_depend_on_threads_or_batching():
     """A row's output is bitwise the same on 1 or 2 threads and alone or among 16 rows."""
     x, weight, b = _inputs(d.NATIVE_MAX_ROWS, 1001, 1030, torch.float32, seed=2)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = d.native_linear(x, weight, b)
-        torch.set_num_threads(2)
-        assert torch.equal(d.native_linear(x, weight, b), one)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_thread_counts(lambda: d.native_linear(x, weight, b))
+    assert torch.equal(two, one)
     for row in (0, 7, d.NATIVE_MAX_ROWS - 1):
         assert torch.equal(d.native_linear(x[row:row + 1], weight, b), one[row:row + 1])
 

@@ -20,6 +20,7 @@ import torch
 
 from tests.lora.conftest import generate_one
 from tests.utils.adapters import load_peft_model, make_adapter
+from tests.utils.threads import on_thread_counts
 from tests.utils.checkpoints import load_hf_model
 from tests.utils.reference import hf_greedy
 from vllm import LLM, SamplingParams
@@ -144,14 +145,8 @@ def test_native_kernel_on_every_weight_grouping(method, k, group, rows):
 def test_native_kernel_does_not_depend_on_the_thread_count():
     gen = torch.Generator().manual_seed(0)
     weight, x = q.quantize(torch.randn(1000, 256, generator=gen), "int4"), torch.randn(3, 256, generator=gen)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = q.quantized_linear(x, weight, None)
-        torch.set_num_threads(2)
-        assert torch.equal(q.quantized_linear(x, weight, None), one)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_thread_counts(lambda: q.quantized_linear(x, weight, None))
+    assert torch.equal(two, one)
 
 
 def test_portable_build_without_avx2_computes_the_same(tmp_path):

@@ -65,9 +65,7 @@ def test_rotary_of_a_real_rope_type_and_int32_positions():
 
 
 def test_reference_ops_keep_the_torch_rotary(monkeypatch):
-    from vllm import envs
-
-    monkeypatch.setattr(envs, "VLLM_USE_TORCH_REFERENCE_OPS", True)
+    monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")  # vllm.envs reads the environment on each access
     assert not RotaryEmbedding(16, 64, ROPE, torch.float32, CPU)._native
 
 

@@ -302,6 +302,11 @@ def _compile_all(jobs: list, workers: int) -> list:
         return list(pool.map(compile_one, *zip(*jobs)))
 
 
+def kernel_sources() -> dict[str, str]:
+    """Each kernel's source key (triton_aot_record.source_key), as the record stores them."""
+    return {k: record_mod.source_key(getattr(importlib.import_module(m), k)) for k, (m, _) in KERNELS.items()}
+
+
 def plan_ci(specs: list, quick: list, archs: list, record: dict, sources: dict) -> tuple[list, list, int]:
     """(specializations the record vouches for, with their entries; specializations to compile
     now; how many of those the record lacks): the quick sample is always compiled, to be
@@ -343,7 +348,7 @@ def main(argv=None) -> int:
     archs = sorted(SMEM_LIMIT) if args.update_record else args.arch
     specs = launched_specs(args.quick)
     vouched, jobs = [], [(spec, arch) for arch in archs for spec in specs]
-    sources = {k: record_mod.source_key(getattr(importlib.import_module(m), k)) for k, (m, _) in KERNELS.items()}
+    sources = kernel_sources()
     record = record_mod.load(args.record)
     if args.ci:
         vouched, jobs, missing = plan_ci(specs, launched_specs(True), archs, record, sources)

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import pathlib
 import subprocess
 import time
 from typing import Optional
@@ -57,8 +58,7 @@ def native_target() -> str:
 def _headers() -> bytes:
     """The folder's shared headers (bf16_bits.h ...), part of every build's key: a kernel that
     includes one is rebuilt when it changes."""
-    names = sorted(n for n in os.listdir(CSRC_CPU) if n.endswith(".h"))
-    return b"".join(open(os.path.join(CSRC_CPU, n), "rb").read() for n in names)
+    return b"".join(path.read_bytes() for path in sorted(pathlib.Path(CSRC_CPU).glob("*.h")))
 
 
 def build_name(source: str) -> str:

@@ -79,19 +79,13 @@ def _run_aot(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-def _sources() -> dict:
-    import importlib
-
-    return {k: triton_aot_record.source_key(getattr(importlib.import_module(m), k))
-            for k, (m, _) in triton_aot.KERNELS.items()}
-
-
 def test_committed_record_vouches_for_the_full_matrix():
     """Every launched specialization on both targets is in the record with its kernel's
     current source key, and passes: regenerate with --update-record after a kernel change."""
     specs = triton_aot.launched_specs(quick=False)
     record = triton_aot_record.load()
-    vouched, fresh, missing = triton_aot.plan_ci(specs, triton_aot.launched_specs(True), [80, 90], record, _sources())
+    vouched, fresh, missing = triton_aot.plan_ci(specs, triton_aot.launched_specs(True), [80, 90], record,
+                                                 triton_aot.kernel_sources())
     assert missing == 0, "run `python benchmarks/triton_aot.py --update-record` and commit the record"
     assert len(vouched) == 2 * len(specs)
     bad = [(s.kernel, s.dtype, s.label(), a) for s, a, r in vouched if triton_aot.verdict(r, a, s.dtype).startswith("FAIL")]

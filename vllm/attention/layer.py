@@ -26,7 +26,8 @@ def _select_ops(device: torch.device):
     if use_native_cpu_attention(device):
         from vllm.attention.backends import cpu_native
 
-        return cpu_native.store_kv, cpu_native.paged_attention
+        store_kv = cpu_native.store_kv if cpu_native.rotary_kv_unavailable_reason() is None else torch_ref.store_kv
+        return store_kv, cpu_native.paged_attention
     return torch_ref.store_kv, torch_ref.paged_attention
 
 

@@ -50,9 +50,10 @@ def rotary_kv_unavailable_reason() -> Optional[str]:
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """torch_ref.store_kv in one native call: no host sync to skip padding slots, no index
-    copies. Falls back to torch_ref where the kernel is unavailable or the layout differs."""
-    if (rotary_kv_unavailable_reason() is None and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
-            and slot_mapping.dtype == torch.int64 and kv_cache.is_contiguous()):
+    copies. Used where rotary_kv_unavailable_reason() is None (vllm/attention/layer.py picks it
+    once, while the model is built); a layout the kernel does not take falls back to torch_ref."""
+    if (key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2] and slot_mapping.dtype == torch.int64
+            and kv_cache.is_contiguous()):
         torch.ops.vllm_rotary_kv.store_kv(kv_cache, key, value, slot_mapping.contiguous())
     else:
         torch_ref.store_kv(key, value, kv_cache, slot_mapping)

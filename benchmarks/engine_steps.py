@@ -11,12 +11,13 @@ requests against base only. Each figure with its ratio to this machine's floor.
 Floors (benchmarks.common.Floor): a decode step reads every weight once plus the KV of
 the batch at the measured copy bandwidth, or costs the batch's FLOPs at the measured
 matmul rate, whichever is slower; a prefill costs its FLOPs at the matmul rate. A
-quantized model's weight bytes are its quantized linears plus the LM head, which stays in
-the model dtype (as benchmarks/quantization.py counts them).
+quantized model's weight bytes are its quantized linears plus the LM head as it is stored
+(int8 per channel under --quantization; as benchmarks/quantization.py counts them).
 
 The batch-1 decode step is also split into the model's own work (the runner's forward and
 the LM head) and everything else the engine does per step (scheduling, building inputs,
-sampling, output processing and detokenizing): the per-step overhead, as a number.
+sampling, output processing and detokenizing): the per-step overhead, as a number. The
+figure itself is timed without the clocks the split needs.
 """
 
 from __future__ import annotations
@@ -235,13 +236,17 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
 
     if "decode" in args.figures:
         for batch in args.batches:
-            split: dict[str, list[float]] = {}
-            step = decode_step_seconds(llm, batch, args.decode_context, device, split=split)
+            # The figure is timed bare; a second run times the parts, with a clock around every
+            # linear and attention layer (about 150 per SmolLM2 step), so its steps run longer.
+            step = decode_step_seconds(llm, batch, args.decode_context, device)
             add(f"decode step, batch {batch} ({args.decode_context} ctx)", step, decode_floor(batch))
-            # The parts of the steps at or below the median step (a step a neighbour preempted
+            split: dict[str, list[float]] = {}
+            timed_step = decode_step_seconds(llm, batch, args.decode_context, device, split=split)
+            # The parts of the timed steps at or below their median (a step a neighbour preempted
             # puts its delay in a random part): their means add up to those steps' mean.
-            calm = [i for i, t in enumerate(split["step"]) if t <= step]
+            calm = [i for i, t in enumerate(split["step"]) if t <= timed_step]
             calm_step = sum(split["step"][i] for i in calm) / len(calm)
+            add("  the same step timed part by part (the parts add up to it)", calm_step, None)
             for part, what in PARTS.items():
                 seconds = sum(split[part][i] for i in calm) / len(calm)
                 add(f"  {what} ({100 * seconds / calm_step:.0f}%)", seconds, None)

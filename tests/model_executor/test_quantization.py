@@ -127,9 +127,11 @@ def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
 
 
 # (method, K, group): per channel with a short last activation block, GGUF Q8_0 (32) and Q6_K (16)
-# groups, groups the vector path does not take (24, 48: the scalar path), int4 groups of 64.
+# groups, groups the vector path does not take (24, 48: the scalar path), int4 groups of 64, int4
+# groups of 32 over an odd number of blocks (the per-block path) and over SmolLM2's 576 features
+# (18 blocks: the paired path).
 GROUPED = [("int8", 40, None), ("int8", 96, 32), ("int8", 96, 16), ("int8", 72, 24), ("int8", 96, 48),
-           ("int4", 192, 64)]
+           ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None)]
 
 
 @pytest.mark.parametrize(("method", "k", "group"), GROUPED)
@@ -147,6 +149,16 @@ def test_native_kernel_does_not_depend_on_the_thread_count():
     weight, x = q.quantize(torch.randn(1000, 256, generator=gen), "int4"), torch.randn(3, 256, generator=gen)
     one, two = on_thread_counts(lambda: q.quantized_linear(x, weight, None))
     assert torch.equal(two, one)
+
+
+@pytest.mark.parametrize("method", q.METHODS)
+def test_native_kernel_gives_a_row_the_same_result_in_any_batch(method):
+    """A token decoded alone or among others gets bitwise the same output (x is laid out per row)."""
+    gen = torch.Generator().manual_seed(3)
+    weight, x = q.quantize(torch.randn(101, 576, generator=gen), method), torch.randn(16, 576, generator=gen)
+    batched = q.quantized_linear(x, weight, None)
+    for i in (0, 5, 15):
+        assert torch.equal(q.quantized_linear(x[i:i + 1], weight, None), batched[i:i + 1])
 
 
 def test_portable_build_without_avx2_computes_the_same(tmp_path):

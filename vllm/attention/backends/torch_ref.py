@@ -121,6 +121,8 @@ def prefill_attention(
 ) -> None:
     """The sequences num_decodes onwards of paged_attention with at least `min_query_len` query
     tokens, one at a time."""
+    if meta.max_query_len < min_query_len:  # nothing to do (every decode step): skip the host copies
+        return
     num_kv_heads = kv_cache.shape[-2]
     gqa = query.shape[1] != num_kv_heads
     qsl = meta.query_start_loc_cpu.tolist()

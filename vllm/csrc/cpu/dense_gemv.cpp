@@ -23,8 +23,9 @@
  * rows, each 8-feature load of x shared by the 4 rows and each weight load by 2 rows of x (8
  * accumulators, 4 weights and 2 x vectors in the 16 ymm registers). K is walked in chunks of
  * `kChunk` features, so a tile's chunk (4 rows x 1024 fp32 = 16 KB) stays in L1 while every row
- * of x passes over it; the running sums live in a small per-thread buffer between chunks. bf16
- * tiles prefetch the next tile's lines (a hint only: reading past the last row does not fault).
+ * of x passes over it; the running sums live in a small per-thread buffer between chunks. Tiles
+ * ask for the weights ahead of them by software prefetch, as `prefetch_policy` picks from the row
+ * length (hints only: reading past the last row does not fault).
  *
  * Work split: at::parallel_for over tiles of output rows, at least ~64 KB of weight per task so
  * that the small layers of a small model do not pay a fork per few microseconds of work.
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "prefetch.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -77,9 +79,44 @@ inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32: zero-extend to 32
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+// How a tile asks for the weights ahead of it. The hardware prefetcher streams long rows well,
+// but a tile reads R rows side by side, and on short rows (SmolLM2's 576 features) those are R
+// streams of a few lines each that it barely learns. Measured one thread, Zen 3, weights far
+// beyond cache (GB/s of weights):
+//   rows under 3 KB (K = 576): kLinear, 8 KB ahead in memory order: fp32 11-12 -> 13-15,
+//     bf16 8-10 -> 14-18 (the LM head 49152 x 576 included);
+//   rows of 3-8 KB (K = 1536): kNextTile, the next tile's line at the same k: +5-50%;
+//   fp32 rows of 8 KB and more (K = 4096): kNone (19-22; the hint cost 5-10% there), bf16 rows
+//     there kNextTile (the widening slows the loop enough that the hardware falls behind).
+enum class Prefetch { kNone, kNextTile, kLinear };
+constexpr int64_t kLinearAhead = 8192;  // bytes ahead of the tile's read position (kLinear)
+
+template <typename W>
+Prefetch prefetch_policy(int64_t K) {
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
+  if (row_bytes < 3072) return Prefetch::kLinear;
+  if (row_bytes < 8192 || sizeof(W) == 2) return Prefetch::kNextTile;
+  return Prefetch::kNone;
+}
+
+// The hints for the step at feature k of the tile whose first row is w (a hint never faults,
+// even past the weight's end). The policy is a template parameter: no branch in the hot loop.
+template <typename W, int R, Prefetch P>
+inline void prefetch(const W* w, int64_t K, int64_t k) {
+  if constexpr (P == Prefetch::kNextTile) {
+    if (k % (64 / sizeof(W)) == 0)
+      for (int r = 0; r < R; ++r) vllm_cpu_bits::prefetch_line(reinterpret_cast<const char*>(w + (r + R) * K + k));
+  } else if constexpr (P == Prefetch::kLinear) {
+    // This step reads R * 8 weights; ask for as many bytes, kLinearAhead past the tile's share.
+    constexpr int64_t step_bytes = R * kLanes * sizeof(W);
+    const char* ahead = reinterpret_cast<const char*>(w) + kLinearAhead + (k / kLanes) * step_bytes;
+    for (int64_t b = 0; b < step_bytes; b += 64) vllm_cpu_bits::prefetch_line(ahead + b);
+  }
+}
+
 // Features [k0, k1) (multiples of 8) of rows w .. w + (R - 1) K against XR rows of x;
 // acc [XR][R] holds the running lanes in and out.
-template <typename W, int R, int XR>
+template <typename W, int R, int XR, Prefetch P>
 inline void pass(const W* w, const float* x, int64_t K, int64_t k0, int64_t k1, __m256* acc) {
   __m256 a[XR][R];
   for (int i = 0; i < XR; ++i)
@@ -87,11 +124,7 @@ inline void pass(const W* w, const float* x, int64_t K, int64_t k0, int64_t k1, 
   for (int64_t k = k0; k < k1; k += kLanes) {
     __m256 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
-    // bf16: the widening slows the loop enough that the hardware prefetcher falls behind; asking
-    // for the next tile's line at the same k measured 10-20% faster there (and slower on fp32).
-    if constexpr (sizeof(W) == 2)
-      if (k % 32 == 0)
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
+    prefetch<W, R, P>(w, K, k);
     for (int i = 0; i < XR; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * K + k);
       for (int r = 0; r < R; ++r) a[i][r] = _mm256_fmadd_ps(wv[r], xv, a[i][r]);
@@ -102,7 +135,7 @@ inline void pass(const W* w, const float* x, int64_t K, int64_t k0, int64_t k1, 
 }
 
 // Rows n .. n + R - 1 of the output for every row of x. acc: scratch of M * R vectors.
-template <typename W, int R>
+template <typename W, int R, Prefetch P>
 void tile(const W* w, const float* x, const float* bias, float* out, int64_t M, int64_t N, int64_t K, int64_t n,
           __m256* acc) {
   const int64_t k_vec = K / kLanes * kLanes;
@@ -111,8 +144,16 @@ void tile(const W* w, const float* x, const float* bias, float* out, int64_t M, 
   for (int64_t k0 = 0; k0 < k_vec; k0 += kChunk) {
     const int64_t k1 = std::min(k_vec, k0 + kChunk);
     int64_t m = 0;
-    for (; m + kXRows <= M; m += kXRows) pass<W, R, kXRows>(wt, x + m * K, K, k0, k1, acc + m * R);
-    for (; m < M; ++m) pass<W, R, 1>(wt, x + m * K, K, k0, k1, acc + m * R);
+    // Only the first pass over a chunk reads memory: the rows of x after it find the tile in L1.
+    if (M >= kXRows) {
+      pass<W, R, kXRows, P>(wt, x, K, k0, k1, acc);
+      m = kXRows;
+    }
+    for (; m + kXRows <= M; m += kXRows) pass<W, R, kXRows, Prefetch::kNone>(wt, x + m * K, K, k0, k1, acc + m * R);
+    for (; m < M; ++m) {
+      if (m == 0) pass<W, R, 1, P>(wt, x, K, k0, k1, acc);
+      else pass<W, R, 1, Prefetch::kNone>(wt, x + m * K, K, k0, k1, acc + m * R);
+    }
   }
   for (int64_t m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) {
@@ -121,6 +162,15 @@ void tile(const W* w, const float* x, const float* bias, float* out, int64_t M, 
       const float sum = tail(wt + r * K, x + m * K, k_vec, K, lane_sum(lanes));
       out[m * N + n + r] = bias ? sum + bias[n + r] : sum;
     }
+}
+
+// Output rows [n_begin, n_end): tiles of kRowTile rows, then single rows.
+template <typename W, Prefetch P>
+void rows(const W* w, const float* x, const float* bias, float* out, int64_t M, int64_t N, int64_t K, int64_t n_begin,
+          int64_t n_end, __m256* acc) {
+  int64_t n = n_begin;
+  for (; n + kRowTile <= n_end; n += kRowTile) tile<W, kRowTile, P>(w, x, bias, out, M, N, K, n, acc);
+  for (; n < n_end; ++n) tile<W, 1, P>(w, x, bias, out, M, N, K, n, acc);
 }
 #else
 // One output row for every row of x, lanes as the vector path keeps them.
@@ -148,9 +198,11 @@ void gemv(const W* w, const float* x, const float* bias, float* out, int64_t M, 
     const int64_t n_begin = begin * kRowTile, n_end = std::min(N, end * kRowTile);
 #ifdef VLLM_DENSE_AVX2
     std::vector<__m256> acc(M * kRowTile);  // [M, kRowTile] running lanes
-    int64_t n = n_begin;
-    for (; n + kRowTile <= n_end; n += kRowTile) tile<W, kRowTile>(w, x, bias, out, M, N, K, n, acc.data());
-    for (; n < n_end; ++n) tile<W, 1>(w, x, bias, out, M, N, K, n, acc.data());
+    switch (prefetch_policy<W>(K)) {
+      case Prefetch::kLinear: rows<W, Prefetch::kLinear>(w, x, bias, out, M, N, K, n_begin, n_end, acc.data()); break;
+      case Prefetch::kNextTile: rows<W, Prefetch::kNextTile>(w, x, bias, out, M, N, K, n_begin, n_end, acc.data()); break;
+      case Prefetch::kNone: rows<W, Prefetch::kNone>(w, x, bias, out, M, N, K, n_begin, n_end, acc.data()); break;
+    }
 #else
     for (int64_t n = n_begin; n < n_end; ++n) row<W>(w, x, bias, out, M, N, K, n);
 #endif

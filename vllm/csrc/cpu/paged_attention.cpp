@@ -74,6 +74,8 @@
 #include <utility>
 #include <vector>
 
+#include "prefetch.h"
+
 namespace {
 
 // How many blocks ahead of the one being read a task asks for its rows. The rows of one KV
@@ -131,12 +133,17 @@ inline const opmath_t* rows_as_opmath(const scalar_t* src, int64_t n, int64_t st
   }
 }
 
-// Asks for n rows of `bytes` bytes, `stride` elements apart, to be brought into cache.
-template <typename scalar_t>
-inline void prefetch_rows(const scalar_t* src, int64_t n, int64_t stride, int64_t bytes) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(src + t * stride) + b);
-}
+// The rows of a block further on, asked for one row per key the inner loops compute rather
+// than a block at once: a burst of prefetches stalls on the core's few miss buffers (it was half
+// of a decode's time outside the arithmetic).
+struct Ahead {
+  const char* rows = nullptr;            // row 0, or nullptr for none
+  int64_t n = 0, stride = 0, bytes = 0;  // rows; bytes from one row to the next; bytes to ask for per row
+  void ask(int64_t t) const {
+    if (t < n)
+      for (int64_t b = 0; b < bytes; b += 64) vllm_cpu_bits::prefetch_line(rows + t * stride + b);
+  }
+};
 
 // logits[r][t] = <q[r], k_t> for t < n and the R rows of a tile; kt [D, ldk] holds the n keys
 // transposed (column t = key t), so each FMA advances W keys of one row. Four partial sums
@@ -170,35 +177,71 @@ inline void block_logits(T* const* logits, const T* const* q, const T* kt, int64
   }
 }
 
-// The same logits from the keys in place (row t at rows + t * stride), one dot product and
-// horizontal sum per (row, key): cheaper than transposing the block when a task has few
-// query rows (decodes), whose keys are each used only a few times.
-template <int R, typename T>
-inline void row_logits(T* const* logits, const T* const* q, const T* rows, int64_t stride, int64_t n, int64_t D) {
+// out[j] = the sum of a[j]'s lanes, for KS vectors.
+template <int KS, typename T>
+inline void lane_sums(at::vec::Vectorized<T>* a, T* out) {
+  using Vec = at::vec::Vectorized<T>;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float> && KS == 4) {  // three horizontal adds for four sums
+    const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
+    return;
+  }
+#endif
+  for (int j = 0; j < KS; ++j) out[j] = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, a[j]);
+}
+
+// logits[r][t + j] = <q[r], key t + j> for j < KS and the R rows of a tile, keys in place (row t
+// at rows + t * stride): R * KS independent FMA chains, each key vector loaded once for R rows.
+template <int R, int KS, typename T>
+inline void keys_logits(T* const* logits, const T* const* q, const T* rows, int64_t stride, int64_t t, int64_t D) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  for (int64_t t = 0; t < n; ++t) {
-    const T* row = rows + t * stride;
-    Vec acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = Vec(T(0));
-    int64_t d = 0;
-    for (; d + W <= D; d += W) {
-      const Vec k = Vec::loadu(row + d);
-      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q[r] + d), k, acc[r]);
+  Vec acc[R][KS];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < KS; ++j) acc[r][j] = Vec(T(0));
+  const auto step = [&](int64_t d, int64_t w) {  // features d .. d + w - 1
+    Vec k[KS];
+    for (int j = 0; j < KS; ++j) k[j] = Vec::loadu(rows + (t + j) * stride + d, w);
+    for (int r = 0; r < R; ++r) {
+      const Vec qv = Vec::loadu(q[r] + d, w);
+      for (int j = 0; j < KS; ++j) acc[r][j] = at::vec::fmadd(qv, k[j], acc[r][j]);
     }
-    if (d < D) {
-      const Vec k = Vec::loadu(row + d, D - d);
-      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q[r] + d, D - d), k, acc[r]);
-    }
-    for (int r = 0; r < R; ++r)
-      logits[r][t] = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc[r]);
+  };
+  int64_t d = 0;
+  for (; d + W <= D; d += W) step(d, W);
+  if (d < D) step(d, D - d);
+  T sums[KS];
+  for (int r = 0; r < R; ++r) {
+    lane_sums<KS>(acc[r], sums);
+    for (int j = 0; j < KS; ++j) logits[r][t + j] = sums[j];
+  }
+}
+
+// The same logits as block_logits from the keys in place: cheaper than transposing the block
+// when a task has few query rows (decodes), whose keys are each used only a few times. Four keys
+// at a time (two for 4-row tiles, to stay within 16 vector registers): one key at a time was a
+// single FMA chain per row, bound by its latency.
+template <int R, typename T>
+inline void row_logits(T* const* logits, const T* const* q, const T* rows, int64_t stride, int64_t n, int64_t D,
+                       const Ahead& ahead) {
+  constexpr int KS = R <= 3 ? 4 : 2;
+  int64_t t = 0;
+  for (; t + KS <= n; t += KS) {
+    for (int j = 0; j < KS; ++j) ahead.ask(t + j);
+    keys_logits<R, KS>(logits, q, rows, stride, t, D);
+  }
+  for (; t < n; ++t) {
+    ahead.ask(t);
+    keys_logits<R, 1>(logits, q, rows, stride, t, D);
   }
 }
 
 // acc[r][0:D] += sum over t < n of p[r][t] * rows[t * stride : t * stride + D] for the R rows of
 // a tile. Four vectors of each row's acc stay in registers across all n value rows.
 template <int R, typename T>
-inline void block_values(T* const* acc, const T* const* p, const T* rows, int64_t stride, int64_t n, int64_t D) {
+inline void block_values(T* const* acc, const T* const* p, const T* rows, int64_t stride, int64_t n, int64_t D,
+                         const Ahead& ahead) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   int64_t d = 0;
@@ -207,6 +250,7 @@ inline void block_values(T* const* acc, const T* const* p, const T* rows, int64_
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) a[r][v] = Vec::loadu(acc[r] + d + v * W);
     for (int64_t t = 0; t < n; ++t) {
+      if (d == 0) ahead.ask(t);
       const T* row = rows + t * stride + d;
       const Vec v0 = Vec::loadu(row), v1 = Vec::loadu(row + W), v2 = Vec::loadu(row + 2 * W),
                 v3 = Vec::loadu(row + 3 * W);
@@ -226,6 +270,7 @@ inline void block_values(T* const* acc, const T* const* p, const T* rows, int64_
     Vec a[R];
     for (int r = 0; r < R; ++r) a[r] = Vec::loadu(acc[r] + d, w);
     for (int64_t t = 0; t < n; ++t) {
+      if (d == 0) ahead.ask(t);
       const Vec v = Vec::loadu(rows + t * stride + d, w);
       for (int r = 0; r < R; ++r) a[r] = at::vec::fmadd(Vec(p[r][t]), v, a[r]);
     }
@@ -296,17 +341,19 @@ struct Task {
   int64_t seq, kv, j0, j1, k0, k1, part;
 };
 
-// The tasks of one (sequence, KV head, run of tokens): `count` consecutive tasks from `first`,
-// one per key range, whose partials are merged into the output rows.
+// The tasks of one (sequence, KV head, run of tokens): `count` tasks, `stride` apart from
+// `first`, one per key range, whose partials are merged into the output rows.
 struct Group {
-  int64_t first, count;
+  int64_t first, count, stride;
 };
 
 // Each (sequence, KV head) split into equal runs of at most kMaxTokensPerTask query tokens, and
 // each run's keys (from the block of its first token's first visible key up to the last token's
 // own) into ranges of `keys_per_task`, each starting on a block boundary. The split depends only
 // on the sequence, so a row's arithmetic is the same whatever else is in the batch and however
-// many threads run it.
+// many threads run it. The KV heads of a key range are consecutive tasks: the heads of a token
+// are interleaved in the cache, so a thread running them back to back reads each block from
+// memory once, in order (the first head's task asks for every head's rows).
 inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, const int32_t* lens, int64_t Hkv,
                         int64_t G, int64_t bs, int64_t keys_per_task, const Variant& variant, std::vector<Task>& tasks,
                         std::vector<Group>& groups) {
@@ -314,17 +361,18 @@ inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, co
   for (const int64_t i : seqs) {
     const int64_t q = qsl[i + 1] - qsl[i], L = lens[i];
     const int64_t runs = (q + kMaxTokensPerTask - 1) / kMaxTokensPerTask, step = (q + runs - 1) / runs;
-    for (int64_t kv = 0; kv < Hkv; ++kv)
-      for (int64_t j0 = 0; j0 < q; j0 += step) {
-        const int64_t j1 = std::min(q, j0 + step), n_keys = L - q + j1;
-        const int64_t first = first_visible(variant, L - q + j0) / bs * bs;  // skip whole blocks before
-        groups.push_back({static_cast<int64_t>(tasks.size()), 0});
-        for (int64_t k0 = first; k0 < n_keys; k0 += keys_per_task) {
+    for (int64_t j0 = 0; j0 < q; j0 += step) {
+      const int64_t j1 = std::min(q, j0 + step), n_keys = L - q + j1;
+      const int64_t first = first_visible(variant, L - q + j0) / bs * bs;  // skip whole blocks before
+      for (int64_t kv = 0; kv < Hkv; ++kv)
+        groups.push_back({static_cast<int64_t>(tasks.size()) + kv, 0, Hkv});
+      for (int64_t k0 = first; k0 < n_keys; k0 += keys_per_task)
+        for (int64_t kv = 0; kv < Hkv; ++kv) {
           tasks.push_back({i, kv, j0, j1, k0, std::min(n_keys, k0 + keys_per_task), rows});
           rows += (j1 - j0) * G;
-          ++groups.back().count;
+          ++groups[groups.size() - Hkv + kv].count;
         }
-      }
+    }
   }
 }
 
@@ -367,12 +415,18 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   }
 
   // The n rows from key k0 + start on of `head` (keys or values: one block, as k0 is a multiple
-  // of bs) as opmath values, after asking for the rows kPrefetchBlocks blocks ahead.
-  auto block_rows = [&](const scalar_t* head, int64_t start, int64_t n, int64_t& stride) {
+  // of bs) as opmath values; `ahead` gets the rows kPrefetchBlocks blocks further on, for the
+  // inner loops to ask for. The first head's task asks for every head's rows (whole token rows,
+  // contiguous), which the tasks of the other heads, run next on this thread (split_tasks), then
+  // find in cache.
+  const int64_t ask_bytes = row_bytes;
+  auto block_rows = [&](const scalar_t* head, int64_t start, int64_t n, int64_t& stride, Ahead& next) {
     const int64_t key = task.k0 + start;
-    if (start + ahead < span)
-      prefetch_rows(head + blocks[(key + ahead) / bs] * block_stride, std::min(bs, span - start - ahead),
-                    token_stride, row_bytes);
+    next = Ahead{};
+    if (start + ahead < span)  // (the first head's rows start its token rows)
+      next = Ahead{reinterpret_cast<const char*>(head + blocks[(key + ahead) / bs] * block_stride),
+                   std::min(bs, span - start - ahead), token_stride * static_cast<int64_t>(sizeof(scalar_t)),
+                   ask_bytes};
     return rows_as_opmath(head + blocks[key / bs] * block_stride, n, token_stride, D, rows, stride);
   };
 
@@ -380,8 +434,12 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   for (int64_t start = 0; start < span; start += bs) {
     const int64_t n = std::min(bs, span - start);
     int64_t stride;
-    const opmath_t* k = block_rows(k_head, start, n, stride);
-    if (transpose) at::vec::transpose_mxn<opmath_t>(k, stride, kt, ldk, n, D);
+    Ahead next;
+    const opmath_t* k = block_rows(k_head, start, n, stride, next);
+    if (transpose) {
+      for (int64_t t = 0; t < next.n; ++t) next.ask(t);  // many rows share each key: one burst is fine
+      at::vec::transpose_mxn<opmath_t>(k, stride, kt, ldk, n, D);
+    }
     for_row_tiles(M, [&](auto tile, int64_t m) {
       constexpr int R = decltype(tile)::value;
       opmath_t* lp[R];
@@ -393,7 +451,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
       if (transpose)
         block_logits<R>(lp, qp, kt, ldk, n, D);
       else
-        row_logits<R>(lp, qp, k, stride, n, D);
+        row_logits<R>(lp, qp, k, stride, n, D, m == 0 ? next : Ahead{});
     });
   }
   // Softmax numerators over each row's keys (soft-capped first); the rest of the range gets
@@ -418,7 +476,8 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   for (int64_t start = 0; start < span; start += bs) {
     const int64_t n = std::min(bs, span - start);
     int64_t stride;
-    const opmath_t* v = block_rows(v_head, start, n, stride);
+    Ahead next;
+    const opmath_t* v = block_rows(v_head, start, n, stride, next);
     for_row_tiles(M, [&](auto tile, int64_t m) {
       constexpr int R = decltype(tile)::value;
       opmath_t* ap[R];
@@ -427,7 +486,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
         ap[r] = partials + (task.part + m + r) * (D + 2);
         pp[r] = logits + (m + r) * keys_per_task + start;
       }
-      block_values<R>(ap, pp, v, stride, n, D);
+      block_values<R>(ap, pp, v, stride, n, D, m == 0 ? next : Ahead{});
     });
   }
 }
@@ -445,7 +504,7 @@ void merge_partials(const Group& group, const std::vector<Task>& tasks, const at
   const Task& first = tasks[group.first];
   const int64_t M = (first.j1 - first.j0) * G;
   for (int64_t m = 0; m < M; ++m) {
-    auto part = [&](int64_t s) { return partials + (tasks[group.first + s].part + m) * (D + 2); };
+    auto part = [&](int64_t s) { return partials + (tasks[group.first + s * group.stride].part + m) * (D + 2); };
     const int64_t j = first.j0 + m / G, h = first.kv * G + m % G;
     opmath_t max = -std::numeric_limits<opmath_t>::infinity();
     for (int64_t s = 0; s < group.count; ++s) max = std::max(max, part(s)[D]);

@@ -29,7 +29,11 @@
  * consecutive products, so lanes 0-3 are features 0-15 and lanes 4-7 features 16-31: groups of
  * 16 (GGUF Q6_K's) get one scale per half. Other groups (not 16, not a multiple of 32, not one
  * per row) and a last short block take the scalar path, which does the same integer math and is
- * the whole kernel where AVX2 is absent.
+ * the whole kernel where AVX2 is absent. int4 in groups of 32 over an even number of blocks (this
+ * engine's own int4, GGUF Q4_0) takes a paired path instead: two blocks per 32-byte load, x laid
+ * out once per call to match the nibbles (layout_int4_pairs), each pair's integer sum scaled once
+ * by its two blocks' x and weight scales: 1.5-2.5x the per-block path's speed, 15-17 GB/s of
+ * weights on one Zen 3 thread. Tiles ask for the weights 8 KB ahead of them by software prefetch.
  *
  * Work split: x is quantized once per call, then at::parallel_for over output features, in
  * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call
@@ -48,6 +52,8 @@
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#include "prefetch.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -176,10 +182,23 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Asks for the weights of block b of a tile of kRows rows, 8 KB ahead of it in memory order
+// (with kPrefetch; a template parameter: no branch in the hot loop). A tile
+// of short rows is too many short streams for the hardware prefetcher: int8 at K = 576 read
+// 6-7 GB/s of weights without the hint and 15-25 with it (one thread, Zen 3).
+template <bool kInt4, int kRows, bool kPrefetch>
+inline void prefetch_block(const uint8_t* rows, int64_t b) {
+  if constexpr (kPrefetch) {
+    constexpr int64_t kAhead = 8192, block_bytes = kInt4 ? kBlock / 2 : kBlock;
+    const char* ahead = reinterpret_cast<const char*>(rows) + kAhead + b * kRows * block_bytes;
+    for (int64_t o = 0; o < kRows * block_bytes; o += 64) vllm_cpu_bits::prefetch_line(ahead + o);
+  }
+}
+
 // Full blocks [0, nfull) of rows n .. n + kRows - 1 against one row of x: out[r] = their sums.
 // Several weight rows share each load of x and keep independent accumulators in flight.
 // group is 16, a multiple of 32, or K.
-template <bool kInt4, int kRows>
+template <bool kInt4, int kRows, bool kPrefetch>
 void dot_blocks(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t G, const int8_t* xq,
                 const float* xs, int64_t nfull, int64_t group, float* out) {
   __m256 acc[kRows];
@@ -189,6 +208,7 @@ void dot_blocks(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
       const __m256i x_bias = block_bias<kInt4>(x);
       const __m256 x_scale = _mm256_broadcast_ss(xs + b);
+      prefetch_block<kInt4, kRows, kPrefetch>(rows, b);
       for (int r = 0; r < kRows; ++r) {
         const float* wsr = ws + r * G + 2 * b;  // the two halves' weight scales
         const __m256 d = _mm256_mul_ps(x_scale, _mm256_set_m128(_mm_broadcast_ss(wsr + 1), _mm_broadcast_ss(wsr)));
@@ -209,6 +229,7 @@ void dot_blocks(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
         const __m256i x_bias = block_bias<kInt4>(x);
         const __m256 x_scale = _mm256_broadcast_ss(xs + b);
+        prefetch_block<kInt4, kRows, kPrefetch>(rows, b);
         for (int r = 0; r < kRows; ++r) {
           const __m256i s = block_dot<kInt4>(rows + r * row_bytes, b, x, x_bias);
           group_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), x_scale, group_acc[r]);
@@ -216,6 +237,75 @@ void dot_blocks(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t
       }
       for (int r = 0; r < kRows; ++r)
         acc[r] = _mm256_fmadd_ps(group_acc[r], _mm256_broadcast_ss(ws + r * G + g), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);
+}
+
+// Lanes as dot_u8_s8 lays them out, of u1 x s1 + u2 x s2. The int16 pair sums of the two products
+// must fit int16 together, as they do for int4: 2 * 2 * 15 * 127 < 32768.
+inline __m256i dot2_u8_s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+#else
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2)),
+                           _mm256_set1_epi16(1));
+#endif
+}
+
+// One row of x laid out for int4 weights in groups of 32, two blocks (32 bytes of nibbles) at a
+// time. Loaded as one 32-byte vector, blocks 2p and 2p + 1 sit in its two 128-bit halves, so their
+// low nibbles (features 0-15 of each) are one vector and their high nibbles (16-31) another; x is
+// arranged to match once per call instead of shuffling the nibbles of every weight row:
+//   lo = [x(2p)[0:16], x(2p+1)[0:16]], hi = [x(2p)[16:32], x(2p+1)[16:32]]   (int8)
+//   bias = the lanes of 8 x (what the stored q + 8 adds),  scale = [xs(2p) x4, xs(2p+1) x4]
+struct Int4Pairs {
+  std::vector<__m256i> lo, hi, bias;
+  std::vector<__m256> scale;
+};
+
+void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pairs& out) {
+  out.lo.resize(npairs), out.hi.resize(npairs), out.bias.resize(npairs), out.scale.resize(npairs);
+  const auto half = [&](int64_t offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + offset)); };
+  const __m256i eight = _mm256_set1_epi8(8);
+  for (int64_t p = 0; p < npairs; ++p) {
+    const int64_t k = 2 * kBlock * p;
+    out.lo[p] = _mm256_set_m128i(half(k + kBlock), half(k));
+    out.hi[p] = _mm256_set_m128i(half(k + kBlock + 16), half(k + 16));
+    out.bias[p] = dot2_u8_s8(eight, out.lo[p], eight, out.hi[p]);
+    out.scale[p] = _mm256_set_m128(_mm_set1_ps(xs[2 * p + 1]), _mm_set1_ps(xs[2 * p]));
+  }
+}
+
+// Rows n .. n + kRows - 1 (int4, group 32, an even number of blocks) against one row of x laid
+// out by layout_int4_pairs: out[r] = their sums. Per pair of blocks and row: one load, two masks,
+// one integer dot, one fp32 multiply-add. The first row of x asks for the weights and scales 8 KB
+// (of weights) ahead of the tile, in memory order: a tile of short rows is too many short streams
+// for the hardware prefetcher.
+template <int kRows, bool kPrefetch>
+void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t G, const Int4Pairs& x,
+                    int64_t npairs, float* out) {
+  constexpr int64_t kAhead = 8192;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < npairs; ++p) {
+    if constexpr (kPrefetch) {
+      const char* ahead = reinterpret_cast<const char*>(rows) + kAhead + p * kRows * kBlock;
+      for (int64_t o = 0; o < kRows * kBlock; o += 64) vllm_cpu_bits::prefetch_line(ahead + o);
+      if (p % 2 == 0)  // scales: 8 bytes a row and pair, a quarter of the weight bytes
+        vllm_cpu_bits::prefetch_line(reinterpret_cast<const char*>(ws) + kAhead / 4 + p * kRows * 8);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_bytes + p * kBlock));
+      const __m256i lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+      const __m256i s = _mm256_sub_epi32(dot2_u8_s8(lo, x.lo[p], hi, x.hi[p]), x.bias[p]);
+      const __m128 w2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(ws + r * G + 2 * p));
+      const __m256 d = _mm256_mul_ps(x.scale[p], _mm256_permutevar8x32_ps(_mm256_castps128_ps256(w2), halves));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);
@@ -250,6 +340,11 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 #ifdef VLLM_QUANT_AVX2
   const bool vector = group == 16 || group % kBlock == 0 || G == 1;  // what dot_blocks handles
   const int64_t k_vector = vector ? (K / kBlock) * kBlock : 0;  // features the vector path covers
+  // int4 in groups of 32 (this file's own quantization, GGUF Q4_0) over an even number of blocks:
+  // the paired path, x laid out once per call.
+  std::vector<Int4Pairs> pairs(kInt4 && group == kBlock && nblocks % 2 == 0 ? M : 0);
+  for (int64_t m = 0; m < static_cast<int64_t>(pairs.size()); ++m)
+    layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m]);
 #else
   const int64_t k_vector = 0;
 #endif
@@ -263,11 +358,29 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     // L1 while the rows of x pass over it.
     const auto tile = [&](auto rows_tag) {
       constexpr int kRows = decltype(rows_tag)::value;
-      for (int64_t m = 0; m < M; ++m)
-        dot_blocks<kInt4, kRows>(qp + n * row_bytes, row_bytes, sp + n * G, G, xq.data() + m * K,
-                                 xs.data() + m * nblocks, k_vector / kBlock, group, op + m * N + n);
+      for (int64_t m = 0; m < M; ++m) {
+        const auto call = m == 0 ? dot_blocks<kInt4, kRows, true> : dot_blocks<kInt4, kRows, false>;
+        call(qp + n * row_bytes, row_bytes, sp + n * G, G, xq.data() + m * K, xs.data() + m * nblocks,
+             k_vector / kBlock, group, op + m * N + n);
+      }
     };
-    if (k_vector > 0) {
+    if (!pairs.empty()) {
+      for (; n < end; n += kRowTile) {
+        const auto rows = [&](auto rows_tag) {
+          constexpr int kRows = decltype(rows_tag)::value;
+          for (int64_t m = 0; m < M; ++m) {
+            const auto call = m == 0 ? dot_int4_pairs<kRows, true> : dot_int4_pairs<kRows, false>;
+            call(qp + n * row_bytes, row_bytes, sp + n * G, G, pairs[m], nblocks / 2, op + m * N + n);
+          }
+        };
+        if (n + kRowTile <= end) {
+          rows(std::integral_constant<int, kRowTile>());
+        } else {
+          for (; n < end; ++n) rows(std::integral_constant<int, 1>());
+          break;
+        }
+      }
+    } else if (k_vector > 0) {
       for (; n + kRowTile <= end; n += kRowTile) tile(std::integral_constant<int, kRowTile>());
       for (; n < end; ++n) tile(std::integral_constant<int, 1>());
     }

@@ -50,10 +50,10 @@ def native_available() -> bool:
 
 
 def uses_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The dispatch rule of `dense_linear` (the module docstring's "When it runs")."""
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.dtype in WEIGHT_DTYPES and x.dtype in WEIGHT_DTYPES
-            and x.numel() // max(1, x.shape[-1]) <= NATIVE_MAX_ROWS
+    """The dispatch rule of `dense_linear` (the module docstring's "When it runs"). Per call on
+    every decode linear: the cheap tests first, the environment and the build last."""
+    return (x.dtype in WEIGHT_DTYPES and weight.dtype in WEIGHT_DTYPES and x.is_cpu and weight.is_cpu
+            and weight.dim() == 2 and weight.is_contiguous() and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]
             and not envs.VLLM_USE_TORCH_REFERENCE_OPS and native_available())
 
 
@@ -68,10 +68,25 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         raise ValueError(f"x must end in the weight's {k} input features, got shape {tuple(x.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    xf = x.reshape(-1, k).float().contiguous()  # [M, K] fp32
+    return _gemv(x, weight.contiguous(), bias)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """native_linear past its checks (weight contiguous). It runs on every decode linear, where
+    Python cost the kernel's time again: each conversion and view only when it changes something."""
+    n, k = weight.shape
+    xf = x if x.dim() == 2 else x.reshape(-1, k)
+    if xf.dtype != torch.float32:
+        xf = xf.float()
+    if not xf.is_contiguous():
+        xf = xf.contiguous()
     out = torch.empty(xf.shape[0], n, dtype=torch.float32)  # [M, N]
-    torch.ops.vllm_dense.dense_gemv(out, xf, weight.contiguous(), None if bias is None else bias.float().contiguous())
-    return out.view(*x.shape[:-1], n).to(x.dtype)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    torch.ops.vllm_dense.dense_gemv(out, xf, weight, bias)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], n)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 @functools.cache
@@ -106,7 +121,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     """F.linear(x, weight, bias): few rows on the native kernel (`uses_native`), many rows of
     bf16 on a CPU without native bf16 widened to fp32 (`uses_widened`), else F.linear itself."""
     if uses_native(x, weight):
-        return native_linear(x, weight, bias)
+        return _gemv(x, weight, bias)
     if uses_widened(x, weight):
         return widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -142,9 +142,12 @@ def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x: [M, K] in the model dtype -> [M, N] in the model dtype."""
-    xf = x.float().contiguous()
-    if x.device.type == "cpu" and xf.shape[0] <= NATIVE_MAX_ROWS and native_available():
-        out = torch.empty(xf.shape[0], weight.out_features, dtype=torch.float32)
+    # Each conversion only when it changes something: this runs on every decode linear.
+    xf = x if x.dtype == torch.float32 else x.float()
+    if not xf.is_contiguous():
+        xf = xf.contiguous()
+    if xf.is_cpu and xf.shape[0] <= NATIVE_MAX_ROWS and native_available():
+        out = torch.empty(xf.shape[0], weight.qweight.shape[0], dtype=torch.float32)
         op = torch.ops.vllm_quant.linear_int8 if weight.method == "int8" else torch.ops.vllm_quant.linear_int4
         op(out, xf, weight.qweight, weight.scales, weight.group)  # rounds the activations itself
         if weight.offsets is not None:  # the kernel computes x' @ (s*q).T; add the offsets' share exactly
@@ -155,4 +158,4 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[to
                          for start in range(0, weight.out_features, TILE_ROWS)], dim=1)
     if bias is not None:
         out += bias.float()
-    return out.to(x.dtype)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -302,6 +302,17 @@ def test_engine_on_grid_weights_matches_transformers_and_peft(method, grid_check
         _check_rounded_reference(generate_one(llm, ids, LoRARequest("lora", 1, adapter)), hf_greedy(peft, ids, 10))
 
 
+def test_quantized_kernel_is_built_with_the_model(grid_checkpoints, monkeypatch):
+    """The model loader builds (or loads) the kernel, so the first request does not pay for it."""
+    from tests.model_executor.configs import model_config_for
+    from vllm.model_executor import model_loader
+
+    calls = []
+    monkeypatch.setattr(q, "native_available", lambda: calls.append(1) or True)
+    model_loader.get_model(model_config_for(grid_checkpoints["int4"], quantization="int4"), CPU)
+    assert calls
+
+
 def test_tensor_parallel_quantized_matches_one_rank(grid_checkpoints):
     """Two ranks quantize their own rows (the head: its vocabulary block) and give one rank's tokens."""
     prompts = ["hello world how are you", "one two three four five six seven eight"]

@@ -33,7 +33,8 @@
  * engine's own int4, GGUF Q4_0) takes a paired path instead: two blocks per 32-byte load, x laid
  * out once per call to match the nibbles (layout_int4_pairs), each pair's integer sum scaled once
  * by its two blocks' x and weight scales: 1.5-2.5x the per-block path's speed, 15-17 GB/s of
- * weights on one Zen 3 thread. Tiles ask for the weights 8 KB ahead of them by software prefetch.
+ * weights on one Zen 3 thread. Tiles of rows under 4 KB ask for the weights 8 KB ahead of them by
+ * software prefetch (longer rows stream better on the hardware prefetcher alone).
  *
  * Work split: x is quantized once per call, then at::parallel_for over output features, in
  * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call
@@ -69,6 +70,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // activation block, and the int4 packing block
 constexpr int kRowTile = 4;     // weight rows the vector path runs side by side
+constexpr int64_t kPrefetchRowBytes = 4096;  // shorter weight rows get software prefetch
 
 // One row of x -> xq [K] and xs [ceil(K / 32)], as the header states.
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* xs) {
@@ -343,6 +345,9 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   // int4 in groups of 32 (this file's own quantization, GGUF Q4_0) over an even number of blocks:
   // the paired path, x laid out once per call.
   std::vector<Int4Pairs> pairs(kInt4 && group == kBlock && nblocks % 2 == 0 ? M : 0);
+  // Software prefetch for short rows only: on rows of 4 KB and more (Granite-8B's 4096 and 14336
+  // features in int8, 14336 in int4) the hardware prefetcher alone measured 10-35% faster.
+  const bool ask = row_bytes < kPrefetchRowBytes;
   for (int64_t m = 0; m < static_cast<int64_t>(pairs.size()); ++m)
     layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m]);
 #else
@@ -359,7 +364,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     const auto tile = [&](auto rows_tag) {
       constexpr int kRows = decltype(rows_tag)::value;
       for (int64_t m = 0; m < M; ++m) {
-        const auto call = m == 0 ? dot_blocks<kInt4, kRows, true> : dot_blocks<kInt4, kRows, false>;
+        const auto call = m == 0 && ask ? dot_blocks<kInt4, kRows, true> : dot_blocks<kInt4, kRows, false>;
         call(qp + n * row_bytes, row_bytes, sp + n * G, G, xq.data() + m * K, xs.data() + m * nblocks,
              k_vector / kBlock, group, op + m * N + n);
       }
@@ -369,7 +374,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         const auto rows = [&](auto rows_tag) {
           constexpr int kRows = decltype(rows_tag)::value;
           for (int64_t m = 0; m < M; ++m) {
-            const auto call = m == 0 ? dot_int4_pairs<kRows, true> : dot_int4_pairs<kRows, false>;
+            const auto call = m == 0 && ask ? dot_int4_pairs<kRows, true> : dot_int4_pairs<kRows, false>;
             call(qp + n * row_bytes, row_bytes, sp + n * G, G, pairs[m], nblocks / 2, op + m * N + n);
           }
         };

@@ -17,7 +17,8 @@ quantized model's weight bytes are its quantized linears plus the LM head as it 
 The batch-1 decode step is also split into the model's own work (the runner's forward and
 the LM head) and everything else the engine does per step (scheduling, building inputs,
 sampling, output processing and detokenizing): the per-step overhead, as a number. The
-figure itself is timed without the clocks the split needs.
+figure itself is timed without the clocks the split needs; the split runs the per-op path (the
+native decoder layers of layers/decode_layer.py off: they call no module the clocks wrap).
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ class ModelTimer:
     def __enter__(self) -> "ModelTimer":
         model = self.runner.model
         self._saved = (self.runner._forward, model.compute_logits)
+        # Decoder layers that run as one native call (layers/decode_layer.py) call no Linear or
+        # Attention module: time the per-op path they replace, bit for bit the same arithmetic.
+        self._native_layers = [m for m in model.modules() if getattr(m, "native_decode_allowed", False)]
+        for layer in self._native_layers:
+            layer.native_decode_allowed = False
         self.runner._forward = self._timed(self.runner._forward, "model")
         model.compute_logits = self._timed(model.compute_logits, "model")
         for module, part in self._timed_modules:
@@ -120,6 +126,8 @@ class ModelTimer:
 
     def __exit__(self, *exc) -> None:
         self.runner._forward, self.runner.model.compute_logits = self._saved
+        for layer in self._native_layers:
+            layer.native_decode_allowed = True
         for module, _ in self._timed_modules:
             del module.forward
 
@@ -236,8 +244,9 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
 
     if "decode" in args.figures:
         for batch in args.batches:
-            # The figure is timed bare; a second run times the parts, with a clock around every
-            # linear and attention layer (about 150 per SmolLM2 step), so its steps run longer.
+            # The figure is timed bare; a second run times the parts on the per-op path (no native
+            # decoder layers), with a clock around every linear and attention layer (about 150 per
+            # SmolLM2 step), so its steps run longer: the difference is the Python those layers save.
             step = decode_step_seconds(llm, batch, args.decode_context, device)
             add(f"decode step, batch {batch} ({args.decode_context} ctx)", step, decode_floor(batch))
             split: dict[str, list[float]] = {}
@@ -246,7 +255,7 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
             # puts its delay in a random part): their means add up to those steps' mean.
             calm = [i for i, t in enumerate(split["step"]) if t <= timed_step]
             calm_step = sum(split["step"][i] for i in calm) / len(calm)
-            add("  the same step timed part by part (the parts add up to it)", calm_step, None)
+            add("  the same step on the per-op path, timed part by part (the parts add up to it)", calm_step, None)
             for part, what in PARTS.items():
                 seconds = sum(split[part][i] for i in calm) / len(calm)
                 add(f"  {what} ({100 * seconds / calm_step:.0f}%)", seconds, None)

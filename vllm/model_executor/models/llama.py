@@ -27,6 +27,7 @@ from torch import nn
 from vllm.attention.layer import Attention
 from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.variant import AttentionVariant
+from vllm.model_executor.layers.decode_layer import NativeDecodeLayer
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear, default_weight_loader
 from vllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
@@ -197,6 +198,17 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(config, options, dtype, device)
         self.input_layernorm = options.norm_class(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = options.norm_class(config.hidden_size, config.rms_norm_eps, dtype, device)
+        # Few-row CPU forwards as one native call where the layer qualifies (layers/decode_layer.py),
+        # decided at the first such forward, when the weights are in place. False: always Python.
+        self.native_decode_allowed = True
+        self._native_decode: Optional[NativeDecodeLayer] = None
+        self._native_decode_built = False
+
+    def _native_decode_layer(self) -> Optional[NativeDecodeLayer]:
+        if not self._native_decode_built:
+            self._native_decode = NativeDecodeLayer.build(self)
+            self._native_decode_built = True
+        return self._native_decode
 
     def forward(
         self,
@@ -206,6 +218,10 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None and self.native_decode_allowed and hidden_states.is_cpu:
+            native = self._native_decode_layer()
+            if native is not None and native.takes(hidden_states, residual, attn_metadata):
+                return native(positions, hidden_states, residual, kv_cache, attn_metadata)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)

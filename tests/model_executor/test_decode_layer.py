@@ -1,0 +1,113 @@
+"""The native decoder layer for CPU decodes (vllm/model_executor/layers/decode_layer.py,
+vllm/csrc/cpu/decode_layer.cpp): which layers it takes, and that where it runs the engine's
+tokens and logprobs are bitwise those of the Python layers it replaces (fp32, bf16, int8, int4,
+qkv biases, a sliding window, batched decodes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.model_executor.layers import decode_layer
+from tests.utils.adapters import make_adapter
+
+PROMPTS = ["What is the capital of France?", "one two three four five six seven eight nine ten eleven twelve",
+           "hello"]
+
+
+def _layers(llm: LLM) -> list:
+    model = llm.llm_engine.engine_core.runner.model
+    return [m for m in model.modules() if hasattr(m, "native_decode_allowed")]
+
+
+def _count_calls(monkeypatch) -> list[int]:
+    calls = []
+    real = decode_layer.NativeDecodeLayer.__call__
+
+    def counting(self, positions, hidden, *args):
+        calls.append(hidden.shape[0])
+        return real(self, positions, hidden, *args)
+
+    monkeypatch.setattr(decode_layer.NativeDecodeLayer, "__call__", counting)
+    return calls
+
+
+def _run(llm: LLM, tokenizer, lora=None) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)  # three rows per decode step
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outputs]
+
+
+def _both_paths(llm: LLM, tokenizer, lora=None):
+    native = _run(llm, tokenizer, lora)
+    for layer in _layers(llm):
+        layer.native_decode_allowed = False
+    python = _run(llm, tokenizer, lora)
+    for layer in _layers(llm):
+        layer.native_decode_allowed = True
+    return native, python
+
+
+@pytest.mark.parametrize(("arch", "engine"), [
+    ("llama", dict(dtype="float32")),
+    ("llama", dict(dtype="bfloat16")),
+    ("llama", dict(dtype="float32", quantization="int8")),
+    ("llama", dict(dtype="float32", quantization="int4")),
+    ("qwen2", dict(dtype="float32")),  # q/k/v biases
+    ("mistral_window", dict(dtype="float32")),  # a sliding window shorter than the prompts
+])
+def test_native_layers_give_the_python_layers_bits(arch, engine, checkpoints, tokenizer, monkeypatch):
+    calls = _count_calls(monkeypatch)
+    llm = LLM(checkpoints[arch], max_model_len=128, **engine)
+    native, python = _both_paths(llm, tokenizer)
+    layers = _layers(llm)
+    assert all(layer._native_decode is not None for layer in layers[1:])  # the first has no residual yet
+    assert calls and max(calls) <= decode_layer.NATIVE_MAX_ROWS and 3 in calls  # batched decodes ran natively
+    assert native == python  # tokens and logprobs, bit for bit
+
+
+def test_prefills_and_long_chunks_stay_python(llama_dir, tokenizer, monkeypatch):
+    calls = _count_calls(monkeypatch)
+    llm = LLM(llama_dir, max_model_len=128, dtype="float32")
+    prompt = tokenizer.encode("one two three four five six seven eight nine ten " * 3)
+    assert len(prompt) > decode_layer.NATIVE_MAX_ROWS
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert calls == []  # a prefill's rows exceed the few-row kernels
+
+
+@pytest.mark.parametrize("arch", ["gemma", "granite"])  # Gemma's norm and GeGLU; Granite's multipliers
+def test_layers_outside_the_plain_form_stay_python(arch, checkpoints, tokenizer, monkeypatch):
+    calls = _count_calls(monkeypatch)
+    llm = LLM(checkpoints[arch], max_model_len=128, dtype="float32")
+    _run(llm, tokenizer)
+    assert calls == [] and all(layer._native_decode is None for layer in _layers(llm))
+
+
+def test_lora_layers_stay_python_and_match_the_reference_path(llama_dir, tokenizer, tmp_path, monkeypatch):
+    """With adapters on, the Linears are LoRA wrappers: the native layer must not bypass them."""
+    adapter = make_adapter(llama_dir, str(tmp_path / "lora"), ["q_proj", "v_proj", "down_proj"], r=8, seed=3)
+    calls = _count_calls(monkeypatch)
+    llm = LLM(llama_dir, max_model_len=128, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    lora = LoRARequest("lora", 1, adapter)
+    native, python = _both_paths(llm, tokenizer, lora)
+    assert calls == [] and native == python
+    monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
+    reference = LLM(llama_dir, max_model_len=128, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    assert [t for t, _ in _run(reference, tokenizer, lora)] == [t for t, _ in native]
+
+
+def test_reference_ops_turn_it_off(llama_dir, tokenizer, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
+    calls = _count_calls(monkeypatch)
+    llm = LLM(llama_dir, max_model_len=128, dtype="float32")
+    _run(llm, tokenizer)
+    assert calls == [] and all(layer._native_decode is None for layer in _layers(llm))
+
+
+def test_kernel_builds_here():
+    """CI machines have a compiler: a silent fallback to the Python layers would hide a build break."""
+    assert decode_layer.native_available(), decode_layer.native_build.unavailable_reason(
+        decode_layer._SOURCE, decode_layer._WHAT)

@@ -1,0 +1,141 @@
+/*
+ * One Llama-style decoder layer for a few rows (decodes) on the CPU, as one call: the same kernels
+ * the layer's Python runs (fused RMSNorm, dense GEMV or quantized linears, rotary, KV store,
+ * paged attention, SiLU and product), in the same order on the same tensors, so the result is
+ * bit for bit the Python layer's. Built and loaded by vllm/model_executor/layers/decode_layer.py,
+ * which decides which layers qualify and passes their weights.
+ *
+ * Why: a 135M model's layer is ~0.3 ms of arithmetic and ~0.2 ms of Python (module calls, views,
+ * dispatch of ~40 ops); here the ops are called through the dispatcher from C++.
+ *
+ * Semantics (LlamaDecoderLayer.forward with a residual, models/llama.py):
+ *   hidden <- hidden + residual;  h = rms_norm(hidden)                       (input_layernorm)
+ *   q, k, v = split(linear(h, qkv));  q, k = rotary(q, k)                    (self_attn)
+ *   store_kv(k, v);  a = paged_attention(q);  o = linear(a, o_proj)
+ *   o <- o + hidden;  h2 = rms_norm(o)                                       (post_attention_layernorm)
+ *   gate, up = split(linear(h2, gate_up));  out = linear(silu(gate) * up, down)
+ *   returns (out, o): the next layer's hidden state and residual.
+ *   linear(x, W) is the engine's few-row linear: dense (fp32 out of the GEMV, in the model dtype)
+ *   or int8 / int4 (quantization.py's quantized_linear without GGUF offsets), bias included.
+ *
+ * Arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o, gate_up, down)
+ * its weight (dense) or qweight, its scales (quantized; empty otherwise), its bias (or empty)];
+ * ints = [H, Hkv, D, sliding_window, then per linear its kind (0 dense, 8 int8, 4 int4) and
+ * group]; floats = [input eps, post eps, attention scale]. The kernels check their own inputs.
+ */
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// The ops of the other kernel files, each looked up on its first use (decode_layer.py builds a
+// layer only once the kernels it calls are loaded; a dense model never loads the quantized one).
+using LinearOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&);
+using QuantOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using NormOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using RotaryOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&);
+using StoreOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using AttentionOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, int64_t, double, int64_t, double, const OptTensor&);
+
+#define VLLM_CACHED_OP(fn, Sig, name)                            \
+  const c10::TypedOperatorHandle<Sig>& fn() {                    \
+    static const c10::TypedOperatorHandle<Sig> op = find_op<Sig>(name); \
+    return op;                                                   \
+  }
+VLLM_CACHED_OP(gemv_op, LinearOp, "vllm_dense::dense_gemv")
+VLLM_CACHED_OP(int8_op, QuantOp, "vllm_quant::linear_int8")
+VLLM_CACHED_OP(int4_op, QuantOp, "vllm_quant::linear_int4")
+VLLM_CACHED_OP(add_norm_op, NormOp, "vllm_norm::fused_add_rms_norm")
+VLLM_CACHED_OP(rotary_op, RotaryOp, "vllm_rotary_kv::rotary")
+VLLM_CACHED_OP(store_op, StoreOp, "vllm_rotary_kv::store_kv")
+VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
+#undef VLLM_CACHED_OP
+
+constexpr int64_t kMaxQueryLen = 512;  // cpu_native.MAX_QUERY_LEN: every decode row is computed
+
+// The engine's few-row linear (dense_gemv.py's _gemv / quantization.py's quantized_linear).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& bias,
+                  int64_t kind, int64_t group) {
+  at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  if (!xf.is_contiguous()) xf = xf.contiguous();
+  at::Tensor out = at::empty({xf.size(0), weight.size(0)}, xf.options());
+  const bool has_bias = bias.numel() > 0;
+  if (kind == 0) {
+    OptTensor b;
+    if (has_bias) b = bias.scalar_type() == at::kFloat && bias.is_contiguous() ? bias : bias.to(at::kFloat).contiguous();
+    gemv_op().call(out, xf, weight, b);
+  } else {
+    (kind == 8 ? int8_op() : int4_op()).call(out, xf, weight, scales, group);
+    if (has_bias) out.add_(bias.to(at::kFloat));
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const at::Tensor& residual,
+                                                const at::Tensor& positions, const at::Tensor& kv_cache,
+                                                const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                                at::TensorList weights, at::IntArrayRef ints,
+                                                at::ArrayRef<double> floats) {
+  TORCH_CHECK(weights.size() == 16 && ints.size() == 12 && floats.size() == 3,
+              "decode_layer: expected 16 weights, 12 ints and 3 floats, got ", weights.size(), ", ", ints.size(),
+              " and ", floats.size());
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes(),
+              "decode_layer: hidden and residual must be contiguous [rows, hidden] of one shape");
+  const int64_t H = ints[0], Hkv = ints[1], D = ints[2], window = ints[3], n = hidden.size(0);
+  const auto lin = [&](const at::Tensor& x, int i) {
+    return linear(x, weights[4 + 3 * i], weights[5 + 3 * i], weights[6 + 3 * i], ints[4 + 2 * i], ints[5 + 2 * i]);
+  };
+
+  at::Tensor h = at::empty_like(hidden);
+  add_norm_op().call(h, hidden, residual, weights[0], floats[0]);  // hidden <- hidden + residual
+
+  const at::Tensor qkv = lin(h, 0);  // [n, (H + 2 Hkv) D]
+  const at::Tensor q = qkv.narrow(1, 0, H * D).view({n, H, D});
+  const at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({n, Hkv, D});
+  const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({n, Hkv, D});
+  at::Tensor rq = at::empty({n, H, D}, q.options()), rk = at::empty({n, Hkv, D}, k.options());
+  const at::Tensor pos = positions.scalar_type() == at::kLong && positions.is_contiguous()
+                             ? positions
+                             : positions.to(at::kLong).contiguous();
+  rotary_op().call(rq, rk, q, k, pos, weights[2], weights[3]);
+  store_op().call(kv_cache, rk, v, slot_mapping.is_contiguous() ? slot_mapping : slot_mapping.contiguous());
+  at::Tensor attn = at::empty_like(rq);  // [n, H, D]
+  attention_op().call(attn, rq, kv_cache, block_table, seq_lens, query_start_loc, kMaxQueryLen, floats[2], window,
+                       0.0, std::nullopt);
+
+  at::Tensor o = lin(attn.view({n, H * D}), 1);
+  at::Tensor h2 = at::empty_like(o);
+  add_norm_op().call(h2, o, hidden, weights[1], floats[1]);  // o <- o + (hidden + residual)
+
+  const at::Tensor gate_up = lin(h2, 2);
+  const int64_t inter = gate_up.size(1) / 2;
+  const at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+  return {lin(act, 3), o};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vllm_layer, m) {
+  m.def(
+      "decode_layer(Tensor(a!) hidden, Tensor residual, Tensor positions, Tensor(b!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, Tensor[] weights, int[] ints, float[] floats) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(vllm_layer, CPU, m) { m.impl("decode_layer", TORCH_FN(decode_layer)); }

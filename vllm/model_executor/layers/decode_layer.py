@@ -1,0 +1,107 @@
+"""A Llama-style decoder layer's few-row forward (decodes) as one native call on the CPU
+(vllm/csrc/cpu/decode_layer.cpp): the kernels the layer's Python runs, in the same order on the
+same tensors, so its output is bit for bit the Python layer's; only the Python between them
+(module calls, views, the dispatch of ~40 ops: ~0.2 ms a layer on a 2-core EPYC) is gone.
+
+When it runs (`NativeDecodeLayer.build` decides once per layer, `takes` per call):
+  - on the CPU, every kernel it calls built, not under VLLM_USE_TORCH_REFERENCE_OPS;
+  - a plain layer: native RMSNorm for both norms, no q/k norm or clipping, native rotary, no
+    attention sinks or soft cap (a sliding window is fine), LlamaMLP with SiLU, residual
+    multiplier 1, the native CPU attention and KV store;
+  - its four linears plain `Linear`s (no LoRA wrapper: an adapter's product runs in Python; no
+    tensor-parallel shard), each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
+    GGUF offsets;
+  - per call: a residual (every layer but the first), at most NATIVE_MAX_ROWS rows of the
+    layer's dtype, no padding rows, and the layer still holding the modules it was built from.
+Anything else runs the Python layer, which stays the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from vllm import envs, native_build
+from vllm.attention.backends import cpu_native
+from vllm.attention.metadata import AttentionMetadata
+from vllm.model_executor.layers import dense_gemv, quantization
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.rotary import RotaryEmbedding
+
+NATIVE_MAX_ROWS = dense_gemv.NATIVE_MAX_ROWS  # rows the few-row linears take natively
+_SOURCE, _WHAT = "decode_layer.cpp", "CPU decoder-layer kernel"
+_KINDS = {None: 0, "int8": 8, "int4": 4}
+_EMPTY = torch.empty(0)
+
+
+def native_available() -> bool:
+    return native_build.unavailable_reason(_SOURCE, _WHAT) is None
+
+
+def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int]]]:
+    """([weight or qweight, scales, bias], [kind, group]) for the kernel, or None if it does not qualify."""
+    if type(linear) is not Linear or linear.shard is not None or linear._packed is not None:
+        return None
+    bias = _EMPTY if linear.bias is None else linear.bias
+    if not linear._quantized:
+        weight = linear.weight
+        if weight.dtype not in dense_gemv.WEIGHT_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
+            return None
+        return [weight, _EMPTY, bias], [0, 0]
+    if len(linear._quantized) != 1 or linear._quantized[0].offsets is not None or not quantization.native_available():
+        return None
+    q = linear._quantized[0]
+    return [q.qweight, q.scales, bias], [_KINDS[q.method], q.group]
+
+
+class NativeDecodeLayer:
+    def __init__(self, layer, weights: list[torch.Tensor], ints: list[int], floats: list[float]):
+        attn, mlp = layer.self_attn, layer.mlp
+        # What `takes` checks each call: the layer still holds these (a LoRA wrapper would replace them).
+        self._modules = [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj),
+                         (mlp, "gate_up_proj", mlp.gate_up_proj), (mlp, "down_proj", mlp.down_proj)]
+        self.dtype = layer.input_layernorm.weight.dtype
+        self.weights, self.ints, self.floats = weights, ints, floats
+
+    @classmethod
+    def build(cls, layer) -> Optional["NativeDecodeLayer"]:
+        """The native form of a LlamaDecoderLayer (models/llama.py), or None where it does not
+        qualify (the module docstring)."""
+        from vllm.model_executor.models.llama import LlamaMLP
+
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        variant = attn.attn.variant
+        plain = (layer.residual_multiplier == 1.0 and all(type(n) is RMSNorm and n._native for n in norms)
+                 and not attn.qk_norm and attn.clip_qkv is None and type(attn.rotary_emb) is RotaryEmbedding
+                 and attn.rotary_emb._native and variant.sinks is None and variant.soft_cap is None
+                 and attn.attn._attend is cpu_native.paged_attention and attn.attn._store_kv is cpu_native.store_kv
+                 and type(mlp) is LlamaMLP and mlp.act is F.silu)
+        if not plain or envs.VLLM_USE_TORCH_REFERENCE_OPS or not dense_gemv.native_available():
+            return None
+        linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(args is None for args in linears) or not native_available():
+            return None
+        rotary = attn.rotary_emb
+        weights = [norms[0].weight, norms[1].weight, rotary.cos_cache, rotary.sin_cache]
+        ints = [attn.num_heads, attn.num_kv_heads, attn.head_size, variant.sliding_window or 0]
+        for tensors, numbers in linears:
+            weights += tensors
+            ints += numbers
+        return cls(layer, weights, ints, [norms[0].eps, norms[1].eps, attn.attn.scale])
+
+    def takes(self, hidden: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata) -> bool:
+        n = hidden.shape[0]
+        return (n <= NATIVE_MAX_ROWS and meta.num_actual_tokens == n and hidden.dtype == self.dtype
+                and hidden.is_contiguous() and residual.is_contiguous()
+                and all(getattr(owner, name) is module for owner, name, module in self._modules))
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        return torch.ops.vllm_layer.decode_layer(hidden, residual, positions, kv_cache, meta.slot_mapping[:n],
+                                                 meta.block_table, meta.seq_lens, meta.query_start_loc,
+                                                 self.weights, self.ints, self.floats)

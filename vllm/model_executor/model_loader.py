@@ -11,8 +11,8 @@ Invariants:
 - Checkpoints stored quantized (a `quantization_config`: GPTQ, AWQ, FP8, MXFP4...) are
   refused naming the method; `model_config.quantization` (int8, int4) quantizes every
   `Linear` and the LM head (int8 per channel for both methods) once the weights are loaded
-  (layers/quantization.py, layers/vocab_embedding.py). On the CPU the quantized kernel is built
-  (or loaded from cache) here, with the model, not on the first request.
+  (layers/quantization.py, layers/vocab_embedding.py). On the CPU the quantized kernel and the
+  decoder-layer kernel are built (or loaded from cache) here, with the model, not on the first request.
 - A GGUF file (`model_config.gguf_path`) loads through gguf_loader.py: its quantized tensors
   go into the `Linear`s and the LM head packed, never through full precision.
 """
@@ -25,7 +25,7 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.gguf_loader import iterate_gguf_weights
 from vllm.model_executor.hf_files import find_weight_files, iterate_weights
-from vllm.model_executor.layers import quantization
+from vllm.model_executor.layers import decode_layer, quantization
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.vocab_embedding import LMHead
@@ -52,6 +52,8 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
                 module.quantize(model_config.quantization)
     if device.type == "cpu" and (model_config.quantization is not None or model_config.gguf_path is not None):
         quantization.native_available()  # build the kernel now, not on the first request
+    if device.type == "cpu" and any(hasattr(m, "native_decode_allowed") for m in model.modules()):
+        decode_layer.native_available()  # the decoder-layer kernel too (layers/decode_layer.py)
     return model.eval()
 
 

@@ -352,8 +352,7 @@ struct Group {
 // own) into ranges of `keys_per_task`, each starting on a block boundary. The split depends only
 // on the sequence, so a row's arithmetic is the same whatever else is in the batch and however
 // many threads run it. The KV heads of a key range are consecutive tasks: the heads of a token
-// are interleaved in the cache, so a thread running them back to back reads each block from
-// memory once, in order (the first head's task asks for every head's rows).
+// sit side by side in the cache, so a thread runs tasks that read neighbouring lines back to back.
 inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, const int32_t* lens, int64_t Hkv,
                         int64_t G, int64_t bs, int64_t keys_per_task, const Variant& variant, std::vector<Task>& tasks,
                         std::vector<Group>& groups) {
@@ -415,18 +414,16 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   }
 
   // The n rows from key k0 + start on of `head` (keys or values: one block, as k0 is a multiple
-  // of bs) as opmath values; `ahead` gets the rows kPrefetchBlocks blocks further on, for the
-  // inner loops to ask for. The first head's task asks for every head's rows (whole token rows,
-  // contiguous), which the tasks of the other heads, run next on this thread (split_tasks), then
-  // find in cache.
-  const int64_t ask_bytes = row_bytes;
+  // of bs) as opmath values; `next` gets this head's rows kPrefetchBlocks blocks further on, for
+  // the inner loops to ask for. (Asking for every head's rows from the first head's task, whole
+  // token rows, measured slower.)
   auto block_rows = [&](const scalar_t* head, int64_t start, int64_t n, int64_t& stride, Ahead& next) {
     const int64_t key = task.k0 + start;
     next = Ahead{};
-    if (start + ahead < span)  // (the first head's rows start its token rows)
+    if (start + ahead < span)
       next = Ahead{reinterpret_cast<const char*>(head + blocks[(key + ahead) / bs] * block_stride),
                    std::min(bs, span - start - ahead), token_stride * static_cast<int64_t>(sizeof(scalar_t)),
-                   ask_bytes};
+                   row_bytes};
     return rows_as_opmath(head + blocks[key / bs] * block_stride, n, token_stride, D, rows, stride);
   };
 

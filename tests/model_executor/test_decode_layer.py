@@ -86,11 +86,16 @@ def test_layers_outside_the_plain_form_stay_python(arch, checkpoints, tokenizer,
     assert calls == [] and all(layer._native_decode is None for layer in _layers(llm))
 
 
-def test_lora_layers_stay_python_and_match_the_reference_path(llama_dir, tokenizer, tmp_path, monkeypatch):
-    """With adapters on, the Linears are LoRA wrappers: the native layer must not bypass them."""
+def test_with_lora_on_base_steps_run_natively_and_adapter_steps_in_python(llama_dir, tokenizer, tmp_path,
+                                                                          monkeypatch):
+    """With --enable-lora the Linears are LoRA wrappers: a step without adapter rows adds nothing to
+    their base products and runs natively; a step with one must not bypass the adapter."""
     adapter = make_adapter(llama_dir, str(tmp_path / "lora"), ["q_proj", "v_proj", "down_proj"], r=8, seed=3)
     calls = _count_calls(monkeypatch)
     llm = LLM(llama_dir, max_model_len=128, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    native, python = _both_paths(llm, tokenizer)
+    assert calls and native == python
+    calls.clear()
     lora = LoRARequest("lora", 1, adapter)
     native, python = _both_paths(llm, tokenizer, lora)
     assert calls == [] and native == python

@@ -8,11 +8,14 @@ When it runs (`NativeDecodeLayer.build` decides once per layer, `takes` per call
   - a plain layer: native RMSNorm for both norms, no q/k norm or clipping, native rotary, no
     attention sinks or soft cap (a sliding window is fine), LlamaMLP with SiLU, residual
     multiplier 1, the native CPU attention and KV store;
-  - its four linears plain `Linear`s (no LoRA wrapper: an adapter's product runs in Python; no
-    tensor-parallel shard), each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
+  - its four linears `Linear`s, or LoRA wrappers of them (lora/layers.py), without a
+    tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
     GGUF offsets;
   - per call: a residual (every layer but the first), at most NATIVE_MAX_ROWS rows of the
-    layer's dtype, no padding rows, and the layer still holding the modules it was built from.
+    layer's dtype, no padding rows, the layer still holding the modules it was built from, and
+    no adapter in the step (`punica.meta.has_lora` false: a wrapper then adds nothing to its
+    base layer's product, so an engine with --enable-lora decodes base-only steps natively and
+    every step with an adapter row, aLoRA's included, in Python).
 Anything else runs the Python layer, which stays the reference.
 """
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from vllm import envs, native_build
 from vllm.attention.backends import cpu_native
 from vllm.attention.metadata import AttentionMetadata
+from vllm.lora.layers import LinearWithLoRA
 from vllm.model_executor.layers import dense_gemv, quantization
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
@@ -43,6 +47,8 @@ def native_available() -> bool:
 
 def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int]]]:
     """([weight or qweight, scales, bias], [kind, group]) for the kernel, or None if it does not qualify."""
+    if type(linear) is LinearWithLoRA:  # its base layer's product, on steps without adapters
+        linear = linear.base_layer
     if type(linear) is not Linear or linear.shard is not None or linear._packed is not None:
         return None
     bias = _EMPTY if linear.bias is None else linear.bias
@@ -63,6 +69,9 @@ class NativeDecodeLayer:
         # What `takes` checks each call: the layer still holds these (a LoRA wrapper would replace them).
         self._modules = [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj),
                          (mlp, "gate_up_proj", mlp.gate_up_proj), (mlp, "down_proj", mlp.down_proj)]
+        # The adapter mappings of wrapped linears (one per engine): a step with an adapter row runs Python.
+        self._punicas = list({id(m.punica): m.punica for _, _, m in self._modules
+                              if type(m) is LinearWithLoRA}.values())
         self.dtype = layer.input_layernorm.weight.dtype
         self.weights, self.ints, self.floats = weights, ints, floats
 
@@ -97,6 +106,7 @@ class NativeDecodeLayer:
         n = hidden.shape[0]
         return (n <= NATIVE_MAX_ROWS and meta.num_actual_tokens == n and hidden.dtype == self.dtype
                 and hidden.is_contiguous() and residual.is_contiguous()
+                and not any(punica.meta.has_lora for punica in self._punicas)
                 and all(getattr(owner, name) is module for owner, name, module in self._modules))
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,

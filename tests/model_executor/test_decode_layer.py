@@ -1,7 +1,7 @@
 """The native decoder layer for CPU decodes (vllm/model_executor/layers/decode_layer.py,
 vllm/csrc/cpu/decode_layer.cpp): which layers it takes, and that where it runs the engine's
 tokens and logprobs are bitwise those of the Python layers it replaces (fp32, bf16, int8, int4,
-qkv biases, a sliding window, batched decodes)."""
+qkv biases, Granite's multipliers, a sliding window, batched decodes)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def _both_paths(llm: LLM, tokenizer, lora=None):
     ("llama", dict(dtype="float32", quantization="int8")),
     ("llama", dict(dtype="float32", quantization="int4")),
     ("qwen2", dict(dtype="float32")),  # q/k/v biases
+    ("granite", dict(dtype="float32")),  # residual and attention multipliers
     ("mistral_window", dict(dtype="float32")),  # a sliding window shorter than the prompts
 ])
 def test_native_layers_give_the_python_layers_bits(arch, engine, checkpoints, tokenizer, monkeypatch):
@@ -78,7 +79,7 @@ def test_prefills_and_long_chunks_stay_python(llama_dir, tokenizer, monkeypatch)
     assert calls == []  # a prefill's rows exceed the few-row kernels
 
 
-@pytest.mark.parametrize("arch", ["gemma", "granite"])  # Gemma's norm and GeGLU; Granite's multipliers
+@pytest.mark.parametrize("arch", ["gemma", "qwen3"])  # Gemma's norm and GeGLU; Qwen3's q/k norms
 def test_layers_outside_the_plain_form_stay_python(arch, checkpoints, tokenizer, monkeypatch):
     calls = _count_calls(monkeypatch)
     llm = LLM(checkpoints[arch], max_model_len=128, dtype="float32")

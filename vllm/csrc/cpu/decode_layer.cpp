@@ -11,9 +11,10 @@
  * Semantics (LlamaDecoderLayer.forward with a residual, models/llama.py):
  *   hidden <- hidden + residual;  h = rms_norm(hidden)                       (input_layernorm)
  *   q, k, v = split(linear(h, qkv));  q, k = rotary(q, k)                    (self_attn)
- *   store_kv(k, v);  a = paged_attention(q);  o = linear(a, o_proj)
+ *   store_kv(k, v);  a = paged_attention(q);  o = linear(a, o_proj) * m
  *   o <- o + hidden;  h2 = rms_norm(o)                                       (post_attention_layernorm)
- *   gate, up = split(linear(h2, gate_up));  out = linear(silu(gate) * up, down)
+ *   gate, up = split(linear(h2, gate_up));  out = linear(silu(gate) * up, down) * m
+ *   with m the residual multiplier (Granite's; the product is skipped where m = 1, as in Python)
  *   returns (out, o): the next layer's hidden state and residual.
  *   linear(x, W) is the engine's few-row linear: dense (fp32 out of the GEMV, in the model dtype)
  *   or int8 / int4 (quantization.py's quantized_linear without GGUF offsets), bias included.
@@ -21,7 +22,8 @@
  * Arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o, gate_up, down)
  * its weight (dense) or qweight, its scales (quantized; empty otherwise), its bias (or empty)];
  * ints = [H, Hkv, D, sliding_window, then per linear its kind (0 dense, 8 int8, 4 int4) and
- * group]; floats = [input eps, post eps, attention scale]. The kernels check their own inputs.
+ * group]; floats = [input eps, post eps, attention scale, residual multiplier]. The kernels check
+ * their own inputs.
  */
 
 #include <ATen/ATen.h>
@@ -92,8 +94,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
                                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                                 at::TensorList weights, at::IntArrayRef ints,
                                                 at::ArrayRef<double> floats) {
-  TORCH_CHECK(weights.size() == 16 && ints.size() == 12 && floats.size() == 3,
-              "decode_layer: expected 16 weights, 12 ints and 3 floats, got ", weights.size(), ", ", ints.size(),
+  TORCH_CHECK(weights.size() == 16 && ints.size() == 12 && floats.size() == 4,
+              "decode_layer: expected 16 weights, 12 ints and 4 floats, got ", weights.size(), ", ", ints.size(),
               " and ", floats.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes(),
               "decode_layer: hidden and residual must be contiguous [rows, hidden] of one shape");
@@ -119,14 +121,18 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
   attention_op().call(attn, rq, kv_cache, block_table, seq_lens, query_start_loc, kMaxQueryLen, floats[2], window,
                        0.0, std::nullopt);
 
+  const double multiplier = floats[3];
   at::Tensor o = lin(attn.view({n, H * D}), 1);
+  if (multiplier != 1.0) o.mul_(multiplier);
   at::Tensor h2 = at::empty_like(o);
   add_norm_op().call(h2, o, hidden, weights[1], floats[1]);  // o <- o + (hidden + residual)
 
   const at::Tensor gate_up = lin(h2, 2);
   const int64_t inter = gate_up.size(1) / 2;
   const at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-  return {lin(act, 3), o};
+  at::Tensor out = lin(act, 3);
+  if (multiplier != 1.0) out.mul_(multiplier);
+  return {out, o};
 }
 
 }  // namespace

@@ -6,8 +6,8 @@ same tensors, so its output is bit for bit the Python layer's; only the Python b
 When it runs (`NativeDecodeLayer.build` decides once per layer, `takes` per call):
   - on the CPU, every kernel it calls built, not under VLLM_USE_TORCH_REFERENCE_OPS;
   - a plain layer: native RMSNorm for both norms, no q/k norm or clipping, native rotary, no
-    attention sinks or soft cap (a sliding window is fine), LlamaMLP with SiLU, residual
-    multiplier 1, the native CPU attention and KV store;
+    attention sinks or soft cap (a sliding window is fine), LlamaMLP with SiLU, the native CPU
+    attention and KV store (Granite's residual and attention multipliers are fine);
   - its four linears `Linear`s, or LoRA wrappers of them (lora/layers.py), without a
     tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
     GGUF offsets;
@@ -84,7 +84,7 @@ class NativeDecodeLayer:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         variant = attn.attn.variant
-        plain = (layer.residual_multiplier == 1.0 and all(type(n) is RMSNorm and n._native for n in norms)
+        plain = (all(type(n) is RMSNorm and n._native for n in norms)
                  and not attn.qk_norm and attn.clip_qkv is None and type(attn.rotary_emb) is RotaryEmbedding
                  and attn.rotary_emb._native and variant.sinks is None and variant.soft_cap is None
                  and attn.attn._attend is cpu_native.paged_attention and attn.attn._store_kv is cpu_native.store_kv
@@ -100,7 +100,7 @@ class NativeDecodeLayer:
         for tensors, numbers in linears:
             weights += tensors
             ints += numbers
-        return cls(layer, weights, ints, [norms[0].eps, norms[1].eps, attn.attn.scale])
+        return cls(layer, weights, ints, [norms[0].eps, norms[1].eps, attn.attn.scale, layer.residual_multiplier])
 
     def takes(self, hidden: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata) -> bool:
         n = hidden.shape[0]

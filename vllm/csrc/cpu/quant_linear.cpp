@@ -125,9 +125,19 @@ inline int32_t weight_at(const uint8_t* row, int64_t k) {
   }
 }
 
+// GCC 12's vectorizer turns this loop's signed x signed byte products into vpdpbusd, which
+// takes one operand as unsigned: wrong sums wherever the compiler targets AVX-VNNI or
+// AVX512-VNNI (caught on an AVX-512 EPYC by the odd-group tests). The loop only runs for groups
+// the vector path does not take and a last short block, so it stays scalar.
+#if defined(__GNUC__) && !defined(__clang__)
+#define VLLM_NO_VECTORIZE __attribute__((optimize("no-tree-vectorize")))
+#else
+#define VLLM_NO_VECTORIZE
+#endif
+
 // Features [k_begin, K) of one (m, n) pair, one integer sum per run sharing a block and a group.
 template <bool kInt4>
-float dot_scalar(const uint8_t* row, const float* ws, const int8_t* xq, const float* xs, int64_t k_begin, int64_t K,
+VLLM_NO_VECTORIZE float dot_scalar(const uint8_t* row, const float* ws, const int8_t* xq, const float* xs, int64_t k_begin, int64_t K,
                  int64_t group) {
   float total = 0.f;
   int64_t k = k_begin;

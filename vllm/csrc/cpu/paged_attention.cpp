@@ -74,6 +74,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "prefetch.h"
 
 namespace {
@@ -121,6 +122,16 @@ inline const opmath_t* rows_as_opmath(const scalar_t* src, int64_t n, int64_t st
   if constexpr (std::is_same_v<scalar_t, opmath_t>) {
     row_stride = stride;
     return src;
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<opmath_t, float>) {
+    // bf16 as its bits, widened by a shift: exactly the cast, and a loop the compiler vectorizes
+    // (c10::BFloat16's own conversion did not: bf16 decodes ran at a third of fp32's bandwidth).
+    for (int64_t t = 0; t < n; ++t) {
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(src + t * stride);
+      float* dst = scratch + t * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = vllm_cpu_bits::widen(row[d]);
+    }
+    row_stride = D;
+    return scratch;
   } else {
     for (int64_t t = 0; t < n; ++t) {
       const scalar_t* row = src + t * stride;

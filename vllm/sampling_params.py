@@ -201,6 +201,8 @@ class SamplingParams:
         )
         if self.allowed_token_ids is not None:
             check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty.")
+            check(all(t >= 0 for t in self.allowed_token_ids),
+                  f"allowed_token_ids must be non-negative integers, got {self.allowed_token_ids!r}.")
 
     @property
     def sampling_type(self) -> SamplingType:

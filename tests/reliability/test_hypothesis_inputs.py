@@ -53,7 +53,10 @@ def test_sampling_params_construct_or_value_error(kwargs):
     except ValueError as e:
         assert str(e)
         return
-    params.verify_against_vocab(1024)  # a constructed one also survives the engine's vocab check or says why
+    try:  # a constructed one also survives the engine's vocab check, or says which field is out of it
+        params.verify_against_vocab(1024)
+    except ValueError as e:
+        assert "outside the vocabulary [0, 1024)" in str(e)
 
 
 # ------------------------------------------------------------------ prompts through the engine

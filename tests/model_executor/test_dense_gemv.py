@@ -21,7 +21,7 @@ from vllm.model_executor.layers import dense_gemv as d
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.tensor_parallel import Shard
 from vllm.model_executor.layers.vocab_embedding import LMHead
-from vllm.platforms import use_onednn_linear
+from vllm.platforms import onednn_packs, use_onednn_linear
 
 CPU = torch.device("cpu")
 # K: under one vector (5), not a multiple of 8 (77), over one chunk of 1024 with a tail (1030).
@@ -95,6 +95,26 @@ def test_portable_build_without_avx2_computes_the_same(tmp_path):
             _check(out, d.native_linear(x, weight, b), k)
 
 
+def test_avx2_build_equals_this_build_bitwise(tmp_path):
+    """Where the compiler targets AVX-512 (zmm tiles from 8 rows of x) the sums are the ones an
+    AVX2 build makes, bit for bit: same lanes, same order. Elsewhere both builds are AVX2 or
+    portable and equal trivially; the test still checks the build runs."""
+    from torch.utils import cpp_extension
+
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    no_avx512 = ["-march=native", "-mno-avx512f"] if x86 else []
+    cpp_extension.load(name="vllm_dense_gemv_avx2", sources=[os.path.join(d.native_build.CSRC_CPU, d._SOURCE)],
+                       extra_cflags=["-O3", "-fopenmp", "-DVLLM_DENSE_OPS=vllm_dense_avx2", *no_avx512],
+                       extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), is_python_module=False)
+    for dtype in d.WEIGHT_DTYPES:
+        for n, k in [*SHAPES, (19, 576)]:  # 19 rows: tiles of 8, a pair and a single row
+            for rows in (1, 7, 8, 11, d.NATIVE_MAX_ROWS):
+                x, weight, b = _inputs(rows, n, k, dtype, seed=rows + k)
+                out = torch.empty(rows, n)
+                torch.ops.vllm_dense_avx2.dense_gemv(out, x, weight, b)
+                assert torch.equal(out, d.native_linear(x, weight, b)), (dtype, n, k, rows)
+
+
 def test_bad_inputs_are_refused():
     x, weight, b = _inputs(2, 6, 8, torch.float32, seed=3)
     op = torch.ops.vllm_dense.dense_gemv
@@ -147,8 +167,10 @@ def test_layers_dispatch_on_rows(dtype, monkeypatch):
     torch.testing.assert_close(layer(few), F.linear(few, layer.weight, layer.bias), **tol)
     torch.testing.assert_close(head(few), F.linear(few, head.weight), **tol)
     assert calls == [d.NATIVE_MAX_ROWS] * 2
-    # Prefills: F.linear itself, or for bf16 on a CPU without native bf16 its widened fp32 form.
-    many_path = d.widened_linear if dtype == torch.bfloat16 and d.bf16_matmul_emulated() else F.linear
+    # Prefills: fp32 on fp32_linear, bf16 on F.linear or, on a CPU without native bf16, its widened fp32 form.
+    many_path = d.fp32_linear if dtype == torch.float32 else F.linear
+    if dtype == torch.bfloat16 and d.bf16_matmul_emulated():
+        many_path = d.widened_linear
     assert torch.equal(layer(many), many_path(many, layer.weight, layer.bias))
     assert torch.equal(head(many), many_path(many, head.weight, None))
     assert calls == [d.NATIVE_MAX_ROWS] * 2
@@ -176,9 +198,43 @@ def test_widened_bf16_linear_is_the_fp32_product_rounded_once(bias, monkeypatch)
     assert not d.uses_widened(x, w)
 
 
-def test_fp32_weights_stay_row_major_on_the_cpu():
-    """The kernel reads the plain weight: fp32 is not repacked for oneDNN (prefills run MKL)."""
-    assert not use_onednn_linear(CPU, torch.float32)
+@pytest.mark.parametrize("dtype", d.WEIGHT_DTYPES)
+def test_weights_stay_row_major_on_the_cpu(dtype):
+    """The kernel reads the plain weight: fp32 and bf16 are not repacked for oneDNN (prefills
+    read the plain weight too)."""
+    assert not use_onednn_linear(CPU, dtype)
+
+
+@pytest.mark.parametrize("preferred", [False, True])
+def test_fp32_linear_runs_onednn_where_preferred(preferred, monkeypatch):
+    """Many-row fp32 matmuls: oneDNN on the plain weight where preferred (AVX-512), else
+    F.linear; the reference path always F.linear. Both equal the float64 product."""
+    if preferred and not onednn_packs(torch.float32):
+        pytest.skip("oneDNN is not available in this torch build")
+    monkeypatch.setattr(d, "onednn_fp32_preferred", lambda: preferred)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(d, "_onednn_linear", lambda *a: calls.append(1) or real(*a, "none", [], ""))
+    gen = torch.Generator().manual_seed(6)
+    x, w, b = torch.randn(40, 77, generator=gen), torch.randn(37, 77, generator=gen), torch.randn(37, generator=gen)
+    torch.testing.assert_close(d.fp32_linear(x, w, b), d.reference_linear(x, w, b), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(d.fp32_linear(x[::2], w, None), d.reference_linear(x[::2], w), atol=1e-4, rtol=1e-5)
+    assert len(calls) == (2 if preferred else 0)
+    monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
+    assert torch.equal(d.fp32_linear(x, w, b), F.linear(x, w, b))
+    assert len(calls) == (2 if preferred else 0)
+
+
+def test_quantized_prefill_tiles_use_fp32_linear(monkeypatch):
+    """The quantized layers' many-row path multiplies its dequantized tiles on fp32_linear."""
+    from vllm.model_executor.layers import quantization as q
+
+    calls = []
+    monkeypatch.setattr(q, "fp32_linear", lambda x, w, b: calls.append(w.shape) or F.linear(x, w, b))
+    weight = q.quantize(torch.randn(37, 64), "int8")
+    x = torch.randn(q.NATIVE_MAX_ROWS + 1, 64)
+    torch.testing.assert_close(q.quantized_linear(x, weight, None), q.reference_linear(x, weight), atol=1e-4, rtol=1e-5)
+    assert calls == [(37, 64)]
 
 
 def test_row_parallel_shard_computes_its_partial_sum(monkeypatch):

@@ -151,8 +151,8 @@ def test_module_names_and_tied_head():
 
 
 def test_onednn_packed_linear_and_lm_head_match_reference():
-    """oneDNN packing is the CPU layout of bf16/fp16 weights where the CPU has them (fp32 stays
-    row-major for the native GEMV); the packed path is checked in fp32, which every oneDNN has."""
+    """oneDNN packing is the CPU layout of fp16 weights where the CPU has them, and of fp32/bf16
+    where the native GEMV is not built; the packed path is checked in fp32, which every oneDNN has."""
     from vllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
 
     cpu = torch.device("cpu")

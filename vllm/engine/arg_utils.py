@@ -27,7 +27,7 @@ from vllm.config import (
 )
 from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.logger import init_logger
-from vllm.platforms import current_platform, default_cpu_threads, resolve_dtype
+from vllm.platforms import checkpoint_dtype, current_platform, default_cpu_threads, resolve_dtype
 from vllm.sampling_defaults import load_sampling_defaults, parse_json_object
 
 logger = init_logger(__name__)
@@ -193,15 +193,14 @@ class EngineArgs:
         )
 
     def _dtype(self, platform, hf_config):
-        stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        checkpoint_dtype = getattr(torch, stored, None) if isinstance(stored, str) else stored
-        dtype = resolve_dtype(self.dtype, platform, checkpoint_dtype)
+        stored = checkpoint_dtype(hf_config)
+        dtype = resolve_dtype(self.dtype, platform, stored)
         if self.dtype == "auto" and not platform.is_cuda:
             why = ("this CPU has native bf16" if dtype == torch.bfloat16 else
                    "the checkpoint is not bf16/fp16" if platform.native_bf16 else
                    "this CPU has no native bf16 (AVX512-BF16 or AMX)")
             logger.info("dtype=auto on CPU: %s (checkpoint dtype %s; %s).", str(dtype).removeprefix("torch."),
-                        str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else "unknown", why)
+                        str(stored).removeprefix("torch.") if stored else "unknown", why)
         return dtype
 
     def _quantization(self, platform) -> Optional[str]:

@@ -9,12 +9,14 @@ Semantics (the kernel's header states them in full):
 
 When it runs (`dense_linear`): on the CPU, for at most `NATIVE_MAX_ROWS` rows of x, an fp32 or
 bf16 weight stored plain row-major [N, K] (not oneDNN-packed), once the kernel is built, and not
-under VLLM_USE_TORCH_REFERENCE_OPS. Everything else (prefills, other dtypes, CUDA, the reference
-path) runs F.linear: on fp32 that is MKL's sgemm, which prefill shapes run at least as fast as
-oneDNN's packed weights, so fp32 weights stay row-major on the CPU and serve both paths
-(platforms.py `use_onednn_linear`). Many rows of bf16 on a CPU without native bf16 (where
-F.linear would emulate bf16 element by element) run in fp32 on weight tiles widened exactly,
-rounded to bf16 once (`widened_linear`), as fast as an fp32 prefill.
+under VLLM_USE_TORCH_REFERENCE_OPS. Wherever the kernel is built, fp32 and bf16 weights stay
+row-major on the CPU and serve every path (platforms.py `use_onednn_linear`). Many rows (prefills)
+run `many_rows_linear`: fp32 on oneDNN reading the plain weight where the CPU has AVX-512 (MKL's
+sgemm there ran 2.2x slower: it keeps to AVX2 on AMD), F.linear elsewhere (MKL, as fast as oneDNN
+on AVX2 CPUs); bf16 F.linear (oneDNN's bf16 matmul) where the CPU has native bf16, and where it
+does not (F.linear would emulate bf16 element by element) fp32 products on weight tiles widened
+exactly, rounded to bf16 once (`widened_linear`), as fast as an fp32 prefill. CUDA, other dtypes
+and the reference path run F.linear.
 
 Invariants:
   - The weight is read where it lives: no copy, no second layout, so a tied LM head reads the
@@ -105,26 +107,57 @@ def uses_widened(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and bf16_matmul_emulated())
 
 
+@functools.cache
+def onednn_fp32_preferred() -> bool:
+    """Whether many-row fp32 matmuls run on oneDNN rather than MKL's sgemm: on CPUs with AVX-512,
+    where oneDNN (reading the plain weight) measured 2.2x faster on SmolLM2's 2,048-row shapes
+    (AMD EPYC with AVX-512: MKL keeps to AVX2 there); on AVX2 CPUs the two measured the same."""
+    from vllm.platforms import onednn_packs
+
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and onednn_packs(torch.float32)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear of fp32 x and weight (plain [N, K]) on the faster of MKL and oneDNN here
+    (`onednn_fp32_preferred`); the reference path keeps F.linear."""
+    if x.is_cpu and onednn_fp32_preferred() and not envs.VLLM_USE_TORCH_REFERENCE_OPS:
+        return _onednn_linear(x.contiguous(), weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's linear on a plain weight [N, K] (it reorders what it needs per call)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """F.linear in fp32 on x and WIDEN_TILE_ROWS output rows of the weight at a time, widened
     exactly from bf16 (the temporary stays a few MiB), rounded to bf16 once at the end: what
     an fp32 prefill costs, plus the widening."""
     xf = x.float()  # [..., K]
-    out = torch.cat([F.linear(xf, weight[start:start + WIDEN_TILE_ROWS].float())
+    out = torch.cat([fp32_linear(xf, weight[start:start + WIDEN_TILE_ROWS].float(), None)
                      for start in range(0, weight.shape[0], WIDEN_TILE_ROWS)], dim=-1)  # [..., N] fp32
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): few rows on the native kernel (`uses_native`), many rows of
-    bf16 on a CPU without native bf16 widened to fp32 (`uses_widened`), else F.linear itself."""
-    if uses_native(x, weight):
-        return _gemv(x, weight, bias)
+def many_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear(x, weight, bias) past the native kernel's rows: bf16 widened to fp32 where the CPU
+    would emulate it (`uses_widened`), fp32 on `fp32_linear`, anything else F.linear."""
     if uses_widened(x, weight):
         return widened_linear(x, weight, bias)
+    if x.dtype == weight.dtype == torch.float32:
+        return fp32_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): few rows on the native kernel (`uses_native`), many rows on
+    `many_rows_linear`."""
+    if uses_native(x, weight):
+        return _gemv(x, weight, bias)
+    return many_rows_linear(x, weight, bias)
 
 
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

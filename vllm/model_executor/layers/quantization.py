@@ -24,7 +24,7 @@ Invariants:
     prompt scored in one prefill and token by token in decodes sees the same numerics.
   - Few rows (decodes, short chunks) run the native kernel, which reads every weight byte once
     per call; many rows (prefills) dequantize tiles of `TILE_ROWS` output channels and run a
-    dense matmul, where compute dominates anyway; x' comes from the extension's one-pass
+    dense fp32 matmul (`dense_gemv.fp32_linear`), where compute dominates anyway; x' comes from the extension's one-pass
     `round_activations`, bitwise equal to `round_activations` here. Without the native kernel
     every call takes the tiled torch path.
   - Only the base weights are quantized: LoRA slots and the embedding's lookup table stay in the
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm import native_build
+from vllm.model_executor.layers.dense_gemv import fp32_linear
 
 METHODS = ("int8", "int4")
 INT4_GROUP = 32
@@ -154,7 +155,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[to
             out.addmm_(group_sums(_rounded(xf), weight.group), weight.offsets.T)
     else:
         xr = _rounded(xf)  # [M, K] fp32: the same activations the kernel multiplies
-        out = torch.cat([F.linear(xr, weight.dequantize(slice(start, start + TILE_ROWS)))
+        out = torch.cat([fp32_linear(xr, weight.dequantize(slice(start, start + TILE_ROWS)), None)
                          for start in range(0, weight.out_features, TILE_ROWS)], dim=1)
     if bias is not None:
         out += bias.float()

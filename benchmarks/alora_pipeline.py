@@ -534,7 +534,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     setup = Setup(args, tokenizer, hf_config)
-    dtype = engine_dtype(args)
+    dtype = engine_dtype(args, model_dir)
 
     if args.write_adapters:
         paths = setup.write_adapters(args.write_adapters, dtype)

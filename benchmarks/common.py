@@ -215,11 +215,15 @@ def resolve_model(args, root: Optional[str] = None) -> tuple[str, dict]:
     return args.model or ensure_default_model(), kwargs
 
 
-def engine_dtype(args) -> torch.dtype:
-    """The dtype the engine will run in (for adapters written ahead and for the floor)."""
+def engine_dtype(args, model_dir: str) -> torch.dtype:
+    """The dtype the engine will run in (for adapters written ahead and for the floor): --dtype,
+    else what dtype="auto" resolves to on this machine for the model's checkpoint (on a CPU: bf16
+    for a bf16/fp16 checkpoint where the CPU has native bf16, else fp32)."""
     if args.dtype:
         return getattr(torch, args.dtype)
-    return torch.bfloat16 if default_device() == "cuda" else torch.float32
+    from vllm.platforms import checkpoint_dtype, current_platform
+
+    return current_platform(default_device()).auto_dtype(checkpoint_dtype(load_hf_config(model_dir)))
 
 
 def server_flags(args) -> list[str]:

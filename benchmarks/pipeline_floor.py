@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     device = default_device()
     model_dir, _ = resolve_model(args)
-    floor = Floor(load_hf_config(model_dir), engine_dtype(args), device)
+    floor = Floor(load_hf_config(model_dir), engine_dtype(args, model_dir), device)
     ratios = {}
     for c in args.concurrency:
         for a in args.answer_lens:

@@ -326,7 +326,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.router:
         results = {"router": measure_router(args, setup, adapter_dir)}
     else:
-        serve_flags = serve_command(setup.write_adapters(adapter_dir, engine_dtype(args)), args) + \
+        serve_flags = serve_command(setup.write_adapters(adapter_dir, engine_dtype(args, model_dir)), args) + \
             ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
         results = {name: measure(name, args, setup, model_dir, serve_flags, root) for name in args.setups}
 
@@ -348,7 +348,7 @@ def measure_router(args, setup: Setup, adapter_dir: Optional[str]) -> dict:
     replicas = router_replicas(args.router)
     names = []
     if args.load_adapters:
-        for name, path in sorted(setup.write_adapters(adapter_dir, engine_dtype(args)).items()):
+        for name, path in sorted(setup.write_adapters(adapter_dir, engine_dtype(args, model_dir)).items()):
             failures = {url: why for url, why in load_on_every_replica(replicas, name, path).items() if why}
             names.append(name)
             if failures:

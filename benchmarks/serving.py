@@ -206,7 +206,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dtype = engine_dtype(args)
+    dtype = engine_dtype(args, model_dir)
     names = [INTRINSIC_NAMES[i % len(INTRINSIC_NAMES)] for i in range(args.num_adapters)]
     invocations = {n: invocation_ids(tokenizer, n) for n in names}
     adapters = [f"{kind}-{n}" for n in names for kind in ("alora", "lora")] if args.adapter_fraction > 0 else []

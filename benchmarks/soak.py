@@ -77,7 +77,7 @@ def launch(args, workdir: str, adapter_root: str):
     model_dir, _ = resolve_model(args, workdir)
     hf_config = load_hf_config(model_dir)
     invocation = invocation_ids(AutoTokenizer.from_pretrained(model_dir), "certainty")
-    dtype = engine_dtype(args)
+    dtype = engine_dtype(args, model_dir)
     lora = write_random_adapter(os.path.join(adapter_root, "soak-lora"), hf_config, args.rank, ALL_TARGETS, 1,
                                 None, dtype)
     alora = write_random_adapter(os.path.join(adapter_root, "soak-alora"), hf_config, args.rank, ALL_TARGETS, 2,
@@ -245,7 +245,7 @@ def _make_churn(args, http, traffic: Traffic, adapter_root: str) -> Optional[Ada
         if not args.no_adapter_churn:
             print("note: adapter churn off: the model's config.json is not readable here (give --model)")
         return None
-    return AdapterChurn(http, traffic, adapter_root, load_hf_config(model_dir), args.rank, engine_dtype(args),
+    return AdapterChurn(http, traffic, adapter_root, load_hf_config(model_dir), args.rank, engine_dtype(args, model_dir),
                         seed=args.seed)
 
 

@@ -91,6 +91,26 @@ def test_long_contexts_merge_key_ranges_like_one_softmax(block_size, num_heads, 
     torch.testing.assert_close(run_native(query, cache, meta, 0.125), ref, atol=2e-5, rtol=2e-5)
 
 
+# Long prompts, which the kernel takes on AVX-512 CPUs (MAX_QUERY_LEN 2048 there): whole prompts
+# and chunks over a cached prefix, with a decode beside them.
+LONG_PROMPTS = [(0, 1030), (700, 600), (900, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prompts_match_reference(dtype):
+    query, key, value, cache, meta = make_batch(LONG_PROMPTS, 9, 3, 64, 16, seed=9)
+    query, key, value, cache = (t.to(dtype) for t in (query, key, value, cache))
+    ref, cache = reference(query, key, value, cache, meta, 0.125)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(run_native(query, cache, meta, 0.125, max_query_len=2048), ref, **tol)
+
+
+def test_max_query_len_follows_the_vector_width():
+    """The kernel stays ahead of SDPA through 2,048 query tokens with AVX-512, through 512 without."""
+    wide = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert cpu_native.MAX_QUERY_LEN == (2048 if wide else 512)
+
+
 def test_sequences_above_max_query_len_are_not_written():
     query, key, value, cache, meta = make_batch(SHORT, 8, 2, 64, 16, seed=4)
     ref, cache = reference(query, key, value, cache, meta, 0.125)

@@ -59,11 +59,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         torch_ref.store_kv(key, value, kv_cache, slot_mapping)
 
 
-# Query tokens up to which a sequence runs the kernel rather than SDPA. Measured on a 2-core
-# AVX-512 machine (fp32, 9 query / 3 KV heads of 64, over a 2k-token context): the kernel
-# takes 0.35x torch_ref's time at 4 query tokens, 0.55x at 20, 0.8x at 128, 0.95x at 512, and
-# loses at 1024, where SDPA's blocked GEMMs catch up.
-MAX_QUERY_LEN = 512
+# Query tokens up to which a sequence runs the kernel rather than SDPA. Measured one thread, 9
+# query / 3 KV heads of 64: on a Zen 3 EPYC (AVX2; fp32, over a 2k-token context) the kernel took
+# 0.35x torch_ref's time at 4 query tokens, 0.55x at 20, 0.8x at 128, 0.95x at 512, and lost at
+# 1024, where SDPA's blocked GEMMs catch up. On an AVX-512 EPYC (its vectors twice as wide) it
+# stays ahead through 2048: a whole 2,048-token prompt 0.74x (fp32) / 0.86x (bf16) of torch_ref's
+# time, 512 / 1,024 / 2,048 new tokens over a 2k cached prefix 0.72 / 0.65 / 0.55x (fp32) and
+# 0.83 / 0.79 / 0.68x (bf16); a whole 4,096-token prompt 0.9x / 1.03x. The kernel's partial
+# results grow with query tokens x context (about 30 MB at 2,048 x 4,096), another reason to stop.
+MAX_QUERY_LEN = 2048 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 512
 
 
 def paged_attention_rows(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

@@ -68,8 +68,6 @@ VLLM_CACHED_OP(store_op, StoreOp, "vllm_rotary_kv::store_kv")
 VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
 #undef VLLM_CACHED_OP
 
-constexpr int64_t kMaxQueryLen = 512;  // cpu_native.MAX_QUERY_LEN: every decode row is computed
-
 // The engine's few-row linear (dense_gemv.py's _gemv / quantization.py's quantized_linear).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& bias,
                   int64_t kind, int64_t group) {
@@ -118,8 +116,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
   rotary_op().call(rq, rk, q, k, pos, weights[2], weights[3]);
   store_op().call(kv_cache, rk, v, slot_mapping.is_contiguous() ? slot_mapping : slot_mapping.contiguous());
   at::Tensor attn = at::empty_like(rq);  // [n, H, D]
-  attention_op().call(attn, rq, kv_cache, block_table, seq_lens, query_start_loc, kMaxQueryLen, floats[2], window,
-                       0.0, std::nullopt);
+  // max_query_len n: no sequence has more query rows than the step, so every row is computed.
+  attention_op().call(attn, rq, kv_cache, block_table, seq_lens, query_start_loc, n, floats[2], window, 0.0,
+                       std::nullopt);
 
   const double multiplier = floats[3];
   at::Tensor o = lin(attn.view({n, H * D}), 1);

@@ -37,7 +37,7 @@ from vllm.model_executor.layers.rotary import RotaryEmbedding
 
 NATIVE_MAX_ROWS = dense_gemv.NATIVE_MAX_ROWS  # rows the few-row linears take natively
 _SOURCE, _WHAT = "decode_layer.cpp", "CPU decoder-layer kernel"
-_KINDS = {None: 0, "int8": 8, "int4": 4}
+_KINDS = {"int8": 8, "int4": 4}  # a dense weight is kind 0
 _EMPTY = torch.empty(0)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
-from vllm.model_executor.layers import decode_layer
+from vllm.model_executor.layers import decode_layer, dense_gemv
 from tests.utils.adapters import make_adapter
 
 PROMPTS = ["What is the capital of France?", "one two three four five six seven eight nine ten eleven twelve",
@@ -66,7 +66,7 @@ def test_native_layers_give_the_python_layers_bits(arch, engine, checkpoints, to
     native, python = _both_paths(llm, tokenizer)
     layers = _layers(llm)
     assert all(layer._native_decode is not None for layer in layers[1:])  # the first has no residual yet
-    assert calls and max(calls) <= decode_layer.NATIVE_MAX_ROWS and 3 in calls  # batched decodes ran natively
+    assert calls and max(calls) <= layers[1]._native_decode.max_rows and 3 in calls  # batched decodes ran natively
     assert native == python  # tokens and logprobs, bit for bit
 
 
@@ -74,9 +74,23 @@ def test_prefills_and_long_chunks_stay_python(llama_dir, tokenizer, monkeypatch)
     calls = _count_calls(monkeypatch)
     llm = LLM(llama_dir, max_model_len=128, dtype="float32")
     prompt = tokenizer.encode("one two three four five six seven eight nine ten " * 3)
-    assert len(prompt) > decode_layer.NATIVE_MAX_ROWS
+    assert len(prompt) > dense_gemv.NATIVE_MAX_ROWS
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert calls == []  # a prefill's rows exceed the few-row kernels
+
+
+def test_a_layer_takes_no_more_rows_than_its_linears(llama_dir, tokenizer, monkeypatch):
+    """Past the rows a linear runs natively (dense_gemv.native_max_rows) the Python layer's product
+    comes from another matmul, so the native layer leaves those steps to it (three rows a step here)."""
+    calls = _count_calls(monkeypatch)
+    for limit, native_steps in ((3, True), (2, False)):
+        monkeypatch.setattr(dense_gemv, "native_max_rows", lambda dtype, limit=limit: limit)
+        llm = LLM(llama_dir, max_model_len=128, dtype="float32")
+        calls.clear()
+        native, python = _both_paths(llm, tokenizer)
+        assert all(layer._native_decode.max_rows == limit for layer in _layers(llm)[1:])
+        assert bool(calls) == native_steps and native == python
+        del llm
 
 
 @pytest.mark.parametrize("arch", ["gemma", "qwen3"])  # Gemma's norm and GeGLU; Qwen3's q/k norms

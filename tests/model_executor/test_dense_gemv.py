@@ -162,22 +162,23 @@ def test_layers_dispatch_on_rows(dtype, monkeypatch):
     layer = _linear(dtype)
     head = LMHead(101, 48, dtype, CPU)
     head.weight.data.copy_(torch.randn(101, 48))
-    few, many = torch.randn(d.NATIVE_MAX_ROWS, 48).to(dtype), torch.randn(d.NATIVE_MAX_ROWS + 1, 48).to(dtype)
+    rows = d.native_max_rows(dtype)
+    few, many = torch.randn(rows, 48).to(dtype), torch.randn(rows + 1, 48).to(dtype)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(layer(few), F.linear(few, layer.weight, layer.bias), **tol)
     torch.testing.assert_close(head(few), F.linear(few, head.weight), **tol)
-    assert calls == [d.NATIVE_MAX_ROWS] * 2
+    assert calls == [rows] * 2
     # Prefills: fp32 on fp32_linear, bf16 on F.linear or, on a CPU without native bf16, its widened fp32 form.
     many_path = d.fp32_linear if dtype == torch.float32 else F.linear
     if dtype == torch.bfloat16 and d.bf16_matmul_emulated():
         many_path = d.widened_linear
     assert torch.equal(layer(many), many_path(many, layer.weight, layer.bias))
     assert torch.equal(head(many), many_path(many, head.weight, None))
-    assert calls == [d.NATIVE_MAX_ROWS] * 2
+    assert calls == [rows] * 2
     monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
     assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
     assert torch.equal(head(few), F.linear(few, head.weight))
-    assert calls == [d.NATIVE_MAX_ROWS] * 2
+    assert calls == [rows] * 2
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -196,6 +197,12 @@ def test_widened_bf16_linear_is_the_fp32_product_rounded_once(bias, monkeypatch)
     torch.testing.assert_close(out, F.linear(x, w, b), atol=0.1, rtol=2e-2)  # torch's emulated bf16
     monkeypatch.setattr(d, "bf16_matmul_emulated", lambda: False)  # a CPU with native bf16: F.linear
     assert not d.uses_widened(x, w)
+
+
+def test_native_rows_per_dtype_follow_the_cpu():
+    """16 rows, fewer where oneDNN catches up sooner: fp32 on AVX-512, bf16 where oneDNN has bf16."""
+    assert d.native_max_rows(torch.float32) == (8 if d.onednn_fp32_preferred() else d.NATIVE_MAX_ROWS)
+    assert d.native_max_rows(torch.bfloat16) == (4 if onednn_packs(torch.bfloat16) else d.NATIVE_MAX_ROWS)
 
 
 @pytest.mark.parametrize("dtype", d.WEIGHT_DTYPES)

@@ -11,8 +11,9 @@ When it runs (`NativeDecodeLayer.build` decides once per layer, `takes` per call
   - its four linears `Linear`s, or LoRA wrappers of them (lora/layers.py), without a
     tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
     GGUF offsets;
-  - per call: a residual (every layer but the first), at most NATIVE_MAX_ROWS rows of the
-    layer's dtype, no padding rows, the layer still holding the modules it was built from, and
+  - per call: a residual (every layer but the first), no more rows than each of its linears
+    takes natively (dense_gemv.native_max_rows, quantization.NATIVE_MAX_ROWS) in the layer's
+    dtype, no padding rows, the layer still holding the modules it was built from, and
     no adapter in the step (`punica.meta.has_lora` false: a wrapper then adds nothing to its
     base layer's product, so an engine with --enable-lora decodes base-only steps natively and
     every step with an adapter row, aLoRA's included, in Python).
@@ -35,7 +36,6 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary import RotaryEmbedding
 
-NATIVE_MAX_ROWS = dense_gemv.NATIVE_MAX_ROWS  # rows the few-row linears take natively
 _SOURCE, _WHAT = "decode_layer.cpp", "CPU decoder-layer kernel"
 _KINDS = {"int8": 8, "int4": 4}  # a dense weight is kind 0
 _EMPTY = torch.empty(0)
@@ -45,8 +45,9 @@ def native_available() -> bool:
     return native_build.unavailable_reason(_SOURCE, _WHAT) is None
 
 
-def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int]]]:
-    """([weight or qweight, scales, bias], [kind, group]) for the kernel, or None if it does not qualify."""
+def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
+    """([weight or qweight, scales, bias], [kind, group], rows it runs natively) for the kernel, or
+    None if it does not qualify."""
     if type(linear) is LinearWithLoRA:  # its base layer's product, on steps without adapters
         linear = linear.base_layer
     if type(linear) is not Linear or linear.shard is not None or linear._packed is not None:
@@ -56,15 +57,15 @@ def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int]]]:
         weight = linear.weight
         if weight.dtype not in dense_gemv.WEIGHT_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
             return None
-        return [weight, _EMPTY, bias], [0, 0]
+        return [weight, _EMPTY, bias], [0, 0], dense_gemv.native_max_rows(weight.dtype)
     if len(linear._quantized) != 1 or linear._quantized[0].offsets is not None or not quantization.native_available():
         return None
     q = linear._quantized[0]
-    return [q.qweight, q.scales, bias], [_KINDS[q.method], q.group]
+    return [q.qweight, q.scales, bias], [_KINDS[q.method], q.group], quantization.NATIVE_MAX_ROWS
 
 
 class NativeDecodeLayer:
-    def __init__(self, layer, weights: list[torch.Tensor], ints: list[int], floats: list[float]):
+    def __init__(self, layer, weights: list[torch.Tensor], ints: list[int], floats: list[float], max_rows: int):
         attn, mlp = layer.self_attn, layer.mlp
         # What `takes` checks each call: the layer still holds these (a LoRA wrapper would replace them).
         self._modules = [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj),
@@ -74,6 +75,7 @@ class NativeDecodeLayer:
                               if type(m) is LinearWithLoRA}.values())
         self.dtype = layer.input_layernorm.weight.dtype
         self.weights, self.ints, self.floats = weights, ints, floats
+        self.max_rows = max_rows  # more rows than a linear runs natively: Python's product would differ
 
     @classmethod
     def build(cls, layer) -> Optional["NativeDecodeLayer"]:
@@ -97,14 +99,15 @@ class NativeDecodeLayer:
         rotary = attn.rotary_emb
         weights = [norms[0].weight, norms[1].weight, rotary.cos_cache, rotary.sin_cache]
         ints = [attn.num_heads, attn.num_kv_heads, attn.head_size, variant.sliding_window or 0]
-        for tensors, numbers in linears:
+        for tensors, numbers, _ in linears:
             weights += tensors
             ints += numbers
-        return cls(layer, weights, ints, [norms[0].eps, norms[1].eps, attn.attn.scale, layer.residual_multiplier])
+        floats = [norms[0].eps, norms[1].eps, attn.attn.scale, layer.residual_multiplier]
+        return cls(layer, weights, ints, floats, min(rows for _, _, rows in linears))
 
     def takes(self, hidden: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata) -> bool:
         n = hidden.shape[0]
-        return (n <= NATIVE_MAX_ROWS and meta.num_actual_tokens == n and hidden.dtype == self.dtype
+        return (n <= self.max_rows and meta.num_actual_tokens == n and hidden.dtype == self.dtype
                 and hidden.is_contiguous() and residual.is_contiguous()
                 and not any(punica.meta.has_lora for punica in self._punicas)
                 and all(getattr(owner, name) is module for owner, name, module in self._modules))

@@ -67,6 +67,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -156,6 +157,40 @@ struct Ahead {
   }
 };
 
+// w <= W values of a cache row as opmath values (the rest of the vector 0): opmath storage as it
+// is; bf16 widened in registers (its bits shifted into the high half: exactly the cast), so
+// decodes read bf16 keys and values in place instead of converting each block into a scratch copy
+// first (that copy took more of a bf16 decode's attention than the arithmetic).
+template <typename T>
+inline at::vec::Vectorized<T> load_row(const T* p, int64_t w) {
+  return at::vec::Vectorized<T>::loadu(p, w);
+}
+
+inline at::vec::Vectorized<float> load_row(const c10::BFloat16* p, int64_t w) {
+  using Vec = at::vec::Vectorized<float>;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i bits = w == Vec::size() ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                        : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << w) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#elif defined(CPU_CAPABILITY_AVX2)
+  uint16_t part[8] = {};
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(p);
+  if (w < Vec::size()) src = static_cast<const uint16_t*>(std::memcpy(part, p, w * sizeof(uint16_t)));
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+#else
+  float part[Vec::size()] = {};
+  for (int64_t i = 0; i < w; ++i) part[i] = static_cast<float>(p[i]);
+  return Vec::loadu(part);
+#endif
+}
+
+// Storage a decode's inner loops read in place (load_row widens it); other half types are
+// converted a block at a time (rows_as_opmath).
+template <typename scalar_t>
+constexpr bool kReadInPlace =
+    std::is_same_v<scalar_t, at::opmath_type<scalar_t>> || std::is_same_v<scalar_t, c10::BFloat16>;
+
 // logits[r][t] = <q[r], k_t> for t < n and the R rows of a tile; kt [D, ldk] holds the n keys
 // transposed (column t = key t), so each FMA advances W keys of one row. Four partial sums
 // per row (over d mod 4) keep 4R FMA chains in flight instead of R.
@@ -198,14 +233,25 @@ inline void lane_sums(at::vec::Vectorized<T>* a, T* out) {
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
     return;
   }
+#elif defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float> && KS == 4) {  // halves added, then AVX2's three horizontal adds
+    __m256 h[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512 v = a[j];
+      h[j] = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    }
+    const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
+    return;
+  }
 #endif
   for (int j = 0; j < KS; ++j) out[j] = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, a[j]);
 }
 
 // logits[r][t + j] = <q[r], key t + j> for j < KS and the R rows of a tile, keys in place (row t
 // at rows + t * stride): R * KS independent FMA chains, each key vector loaded once for R rows.
-template <int R, int KS, typename T>
-inline void keys_logits(T* const* logits, const T* const* q, const T* rows, int64_t stride, int64_t t, int64_t D) {
+template <int R, int KS, typename T, typename S>
+inline void keys_logits(T* const* logits, const T* const* q, const S* rows, int64_t stride, int64_t t, int64_t D) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   Vec acc[R][KS];
@@ -213,7 +259,7 @@ inline void keys_logits(T* const* logits, const T* const* q, const T* rows, int6
     for (int j = 0; j < KS; ++j) acc[r][j] = Vec(T(0));
   const auto step = [&](int64_t d, int64_t w) {  // features d .. d + w - 1
     Vec k[KS];
-    for (int j = 0; j < KS; ++j) k[j] = Vec::loadu(rows + (t + j) * stride + d, w);
+    for (int j = 0; j < KS; ++j) k[j] = load_row(rows + (t + j) * stride + d, w);
     for (int r = 0; r < R; ++r) {
       const Vec qv = Vec::loadu(q[r] + d, w);
       for (int j = 0; j < KS; ++j) acc[r][j] = at::vec::fmadd(qv, k[j], acc[r][j]);
@@ -233,8 +279,8 @@ inline void keys_logits(T* const* logits, const T* const* q, const T* rows, int6
 // when a task has few query rows (decodes), whose keys are each used only a few times. Four keys
 // at a time (two for 4-row tiles, to stay within 16 vector registers): one key at a time was a
 // single FMA chain per row, bound by its latency.
-template <int R, typename T>
-inline void row_logits(T* const* logits, const T* const* q, const T* rows, int64_t stride, int64_t n, int64_t D,
+template <int R, typename T, typename S>
+inline void row_logits(T* const* logits, const T* const* q, const S* rows, int64_t stride, int64_t n, int64_t D,
                        const Ahead& ahead) {
   constexpr int KS = R <= 3 ? 4 : 2;
   int64_t t = 0;
@@ -250,8 +296,8 @@ inline void row_logits(T* const* logits, const T* const* q, const T* rows, int64
 
 // acc[r][0:D] += sum over t < n of p[r][t] * rows[t * stride : t * stride + D] for the R rows of
 // a tile. Four vectors of each row's acc stay in registers across all n value rows.
-template <int R, typename T>
-inline void block_values(T* const* acc, const T* const* p, const T* rows, int64_t stride, int64_t n, int64_t D,
+template <int R, typename T, typename S>
+inline void block_values(T* const* acc, const T* const* p, const S* rows, int64_t stride, int64_t n, int64_t D,
                          const Ahead& ahead) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
@@ -262,9 +308,9 @@ inline void block_values(T* const* acc, const T* const* p, const T* rows, int64_
       for (int v = 0; v < 4; ++v) a[r][v] = Vec::loadu(acc[r] + d + v * W);
     for (int64_t t = 0; t < n; ++t) {
       if (d == 0) ahead.ask(t);
-      const T* row = rows + t * stride + d;
-      const Vec v0 = Vec::loadu(row), v1 = Vec::loadu(row + W), v2 = Vec::loadu(row + 2 * W),
-                v3 = Vec::loadu(row + 3 * W);
+      const S* row = rows + t * stride + d;
+      const Vec v0 = load_row(row, W), v1 = load_row(row + W, W), v2 = load_row(row + 2 * W, W),
+                v3 = load_row(row + 3 * W, W);
       for (int r = 0; r < R; ++r) {
         const Vec pt(p[r][t]);
         a[r][0] = at::vec::fmadd(pt, v0, a[r][0]);
@@ -282,7 +328,7 @@ inline void block_values(T* const* acc, const T* const* p, const T* rows, int64_
     for (int r = 0; r < R; ++r) a[r] = Vec::loadu(acc[r] + d, w);
     for (int64_t t = 0; t < n; ++t) {
       if (d == 0) ahead.ask(t);
-      const Vec v = Vec::loadu(rows + t * stride + d, w);
+      const Vec v = load_row(rows + t * stride + d, w);
       for (int r = 0; r < R; ++r) a[r] = at::vec::fmadd(Vec(p[r][t]), v, a[r]);
     }
     for (int r = 0; r < R; ++r) a[r].store(acc[r] + d, w);
@@ -424,26 +470,29 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
     lo[m] = std::clamp<int64_t>(first_visible(variant, p) - task.k0, 0, hi[m]);
   }
 
-  // The n rows from key k0 + start on of `head` (keys or values: one block, as k0 is a multiple
-  // of bs) as opmath values; `next` gets this head's rows kPrefetchBlocks blocks further on, for
-  // the inner loops to ask for. (Asking for every head's rows from the first head's task, whole
-  // token rows, measured slower.)
-  auto block_rows = [&](const scalar_t* head, int64_t start, int64_t n, int64_t& stride, Ahead& next) {
+  // The rows from key k0 + start on of `head` (keys or values: one block, as k0 is a multiple of
+  // bs, rows token_stride apart); `next` gets this head's rows kPrefetchBlocks blocks further on,
+  // for the inner loops to ask for. (Asking for every head's rows from the first head's task,
+  // whole token rows, measured slower.)
+  auto block_at = [&](const scalar_t* head, int64_t start, Ahead& next) {
     const int64_t key = task.k0 + start;
     next = Ahead{};
     if (start + ahead < span)
       next = Ahead{reinterpret_cast<const char*>(head + blocks[(key + ahead) / bs] * block_stride),
                    std::min(bs, span - start - ahead), token_stride * static_cast<int64_t>(sizeof(scalar_t)),
                    row_bytes};
-    return rows_as_opmath(head + blocks[key / bs] * block_stride, n, token_stride, D, rows, stride);
+    return head + blocks[key / bs] * block_stride;
   };
 
   // Pass 1: logits of the task's keys, one block at a time.
   for (int64_t start = 0; start < span; start += bs) {
     const int64_t n = std::min(bs, span - start);
-    int64_t stride;
     Ahead next;
-    const opmath_t* k = block_rows(k_head, start, n, stride, next);
+    const scalar_t* block = block_at(k_head, start, next);
+    // The block as opmath rows where the inner loops do not read it in place.
+    int64_t stride = token_stride;
+    const opmath_t* k = nullptr;
+    if (transpose || !kReadInPlace<scalar_t>) k = rows_as_opmath(block, n, token_stride, D, rows, stride);
     if (transpose) {
       for (int64_t t = 0; t < next.n; ++t) next.ask(t);  // many rows share each key: one burst is fine
       at::vec::transpose_mxn<opmath_t>(k, stride, kt, ldk, n, D);
@@ -458,6 +507,8 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
       }
       if (transpose)
         block_logits<R>(lp, qp, kt, ldk, n, D);
+      else if constexpr (kReadInPlace<scalar_t>)
+        row_logits<R>(lp, qp, block, token_stride, n, D, m == 0 ? next : Ahead{});
       else
         row_logits<R>(lp, qp, k, stride, n, D, m == 0 ? next : Ahead{});
     });
@@ -483,9 +534,11 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   // Pass 2: probability-weighted sum of the values into the partial rows.
   for (int64_t start = 0; start < span; start += bs) {
     const int64_t n = std::min(bs, span - start);
-    int64_t stride;
     Ahead next;
-    const opmath_t* v = block_rows(v_head, start, n, stride, next);
+    const scalar_t* block = block_at(v_head, start, next);
+    int64_t stride = token_stride;
+    const opmath_t* v = nullptr;
+    if constexpr (!kReadInPlace<scalar_t>) v = rows_as_opmath(block, n, token_stride, D, rows, stride);
     for_row_tiles(M, [&](auto tile, int64_t m) {
       constexpr int R = decltype(tile)::value;
       opmath_t* ap[R];
@@ -494,7 +547,10 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
         ap[r] = partials + (task.part + m + r) * (D + 2);
         pp[r] = logits + (m + r) * keys_per_task + start;
       }
-      block_values<R>(ap, pp, v, stride, n, D, m == 0 ? next : Ahead{});
+      if constexpr (kReadInPlace<scalar_t>)
+        block_values<R>(ap, pp, block, token_stride, n, D, m == 0 ? next : Ahead{});
+      else
+        block_values<R>(ap, pp, v, stride, n, D, m == 0 ? next : Ahead{});
     });
   }
 }

@@ -7,6 +7,7 @@ requests against base only. Each figure with its ratio to this machine's floor.
     python -m benchmarks.engine_steps --granite-8b-dummy    # GPU (H200), Granite-3.3-8B shapes, bf16
     python -m benchmarks.engine_steps --precision fp32 bf16 int8 int4 --figures decode prefill
     python -m benchmarks.engine_steps --tiny --figures decode --decode-context 128  # the engine's own cost
+    python -m benchmarks.engine_steps --precision bf16 int4 fp32 int8 --interleave 7  # robust ratios
 
 Floors (benchmarks.common.Floor): a decode step reads every weight once plus the KV of
 the batch at the measured copy bandwidth, or costs the batch's FLOPs at the measured
@@ -71,6 +72,7 @@ FIGURES = ("decode", "prefill", "adapters")
 # process's CPU time, which a busy neighbour on a shared machine cannot inflate.
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = CLOCKS["wall"]
+INTERLEAVE_KV_BYTES = 256 << 20  # each engine's KV cache under --interleave (batch-1 decodes need little)
 # A decode step's parts, from ModelTimer.
 PARTS = {"linears": "linears + LM head", "attention": "attention (KV store + kernel)",
          "other model": "other model ops + Python (norms, rotary, activations)",
@@ -276,6 +278,41 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
     return rows, results
 
 
+def interleaved_decode(args, model_dir: str, kwargs: dict, device: str) -> tuple[list, dict]:
+    """Batch-1 decode of every --precision, one engine each, timed in turns for --interleave
+    rounds: a slow minute of a shared host slows every precision of that round alike, so the
+    ratios to the first precision (the median of the rounds' own ratios) hold where absolute
+    figures move 10-40% run to run. Each engine gets a small KV cache (INTERLEAVE_KV_BYTES) so
+    that all fit in memory at once."""
+    hf_config = load_hf_config(model_dir)
+    engines = {}
+    for precision in args.precision:
+        dtype_name, quantization = PRECISIONS[precision]
+        kw = dict(kwargs, kv_cache_memory_bytes=INTERLEAVE_KV_BYTES)
+        if dtype_name is not None:
+            kw["dtype"] = dtype_name
+        if quantization is not None:
+            kw["quantization"] = quantization
+        llm = LLM(model_dir, max_model_len=min(4096, hf_config.max_position_embeddings), **kw)
+        dtype = getattr(torch, kw["dtype"]) if "dtype" in kw else engine_dtype(args, model_dir)
+        engines[precision] = (llm, precision_floor(llm, hf_config, dtype, quantization, device))
+    times = {precision: [] for precision in engines}
+    for _ in range(args.interleave):
+        for precision, (llm, _) in engines.items():
+            times[precision].append(decode_step_seconds(llm, 1, args.decode_context, device))
+    first = args.precision[0]
+    rows, results = [], {}
+    for precision, (_, floor) in engines.items():
+        step, floor_s = median(times[precision]), floor.decode_seconds([args.decode_context])
+        speedup = median([a / b for a, b in zip(times[first], times[precision])])
+        rows.append((precision, f"{step * 1000:.2f}",
+                     f"{min(times[precision]) * 1000:.2f}-{max(times[precision]) * 1000:.2f}",
+                     f"{floor_s * 1000:.2f}", f"{step / floor_s:.2f}", f"{speedup:.2f}"))
+        results[precision] = {"ms": [t * 1000 for t in times[precision]], "floor_ms": floor_s * 1000,
+                              f"speedup_over_{first}": speedup}
+    return rows, results
+
+
 def adapter_figures(args, llm: LLM, hf_config, dtype: torch.dtype, floor: Floor, add, device: str) -> None:
     """aLoRA and plain-LoRA time to first token after a base conversation, and decode of a
     batch mixing base, LoRA and aLoRA requests against base only."""
@@ -336,6 +373,9 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=512, help="context of the decode-step batches")
     parser.add_argument("--invocation-len", type=int, default=16)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="batch-1 decode of every --precision (two or more), one engine each, timed in "
+                             "turns for ROUNDS rounds; reports each precision's speed-up over the first")
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="decode/prefill and their floors timed in wall time or in CPU time (with "
                              "--threads 1: immune to a busy machine)")
@@ -354,7 +394,14 @@ def main() -> None:
         model_dir, kwargs = resolve_model(args)
     name = load_hf_config(model_dir).architectures[0] + (" (tiny)" if args.tiny else "")
     results = {"device": device, "machine": machine_load(), "model": name, "clock": args.clock}
-    for precision in args.precision or [None]:
+    if args.interleave:
+        if not args.precision or len(args.precision) < 2:
+            parser.error("--interleave needs two or more --precision values")
+        rows, results["interleaved"] = interleaved_decode(args, model_dir, kwargs, device)
+        print_table(f"Batch-1 decode ({args.decode_context} ctx), {device}, {name}, {args.interleave} rounds in turns, "
+                    f"{torch.get_num_threads()} threads, {args.clock} time",
+                    rows, ("precision", "ms (median)", "range", "floor ms", "x floor", f"x faster than {args.precision[0]}"))
+    for precision in [] if args.interleave else args.precision or [None]:
         rows, results[precision or "default"] = run_precision(args, precision, model_dir, kwargs, device)
         label = precision or str(engine_dtype(args, model_dir)).removeprefix("torch.")
         if precision == "bf16" and device == "cpu" and not cpu_has_native_bf16():

@@ -47,6 +47,7 @@ from dataclasses import asdict
 from typing import Optional
 
 import httpx
+import torch
 
 from examples.scale_out.load_adapter import load_on_every_replica, router_replicas
 
@@ -324,7 +325,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(f"model {model_dir}; files in {root or args.adapter_dir}; {load_line(machine_load())}")
     adapter_dir = args.adapter_dir or (os.path.join(root, "adapters") if root else None)
     if args.router:
-        results = {"router": measure_router(args, setup, adapter_dir)}
+        results = {"router": measure_router(args, setup, adapter_dir, engine_dtype(args, model_dir))}
     else:
         serve_flags = serve_command(setup.write_adapters(adapter_dir, engine_dtype(args, model_dir)), args) + \
             ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
@@ -343,12 +344,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     return results
 
 
-def measure_router(args, setup: Setup, adapter_dir: Optional[str]) -> dict:
+def measure_router(args, setup: Setup, adapter_dir: Optional[str], dtype: torch.dtype) -> dict:
     """--router: the running deployment as it is (its replicas from the router's GET /workers)."""
     replicas = router_replicas(args.router)
     names = []
     if args.load_adapters:
-        for name, path in sorted(setup.write_adapters(adapter_dir, engine_dtype(args, model_dir)).items()):
+        for name, path in sorted(setup.write_adapters(adapter_dir, dtype).items()):
             failures = {url: why for url, why in load_on_every_replica(replicas, name, path).items() if why}
             names.append(name)
             if failures:

@@ -95,7 +95,7 @@ def use_onednn_linear(device: torch.device, dtype: torch.dtype = torch.float32) 
     row-major, the GEMV runs decodes at about the copy bandwidth (it reads only the plain
     layout; bf16 on an AVX-512 EPYC 1.1-1.3x faster than oneDNN's packed weights at 1 and 2 rows)
     and prefills run on the plain weight (`dense_gemv.many_rows_linear`; oneDNN there reads it
-    2-6% slower than packed at 128-2,048 rows). Elsewhere F.linear, which stays the reference path."""
+    3-9% slower than packed at 128-2,048 rows). Elsewhere F.linear, which stays the reference path."""
     if device.type != "cpu" or envs.VLLM_USE_TORCH_REFERENCE_OPS or not onednn_packs(dtype):
         return False
     from vllm.model_executor.layers import dense_gemv

@@ -109,3 +109,41 @@ def test_explicit_half_dtype_loads_on_any_cpu(llama_dir, dtype):
 def test_cpu_threads_default_honours_omp_num_threads(llama_dir, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert EngineArgs(model=llama_dir, device="cpu").create_engine_config().device_config.cpu_threads == 1
+
+
+def test_cpu_engines_ask_for_huge_pages(llama_dir, monkeypatch):
+    """A CPU engine sets THP_MEM_ALLOC_ENABLE before it allocates (a user's value wins), so where
+    the kernel gives transparent huge pages on request the KV cache lands on them: checked in a
+    fresh process, as torch reads the setting at its first allocation."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os\n"
+        "from vllm import LLM\n"
+        "llm = LLM(os.environ['MODEL'], max_model_len=64, kv_cache_memory_bytes=64 << 20)\n"
+        "huge = int(open('/proc/self/smaps_rollup').read().split('AnonHugePages:')[1].split()[0])\n"
+        "print(os.environ['THP_MEM_ALLOC_ENABLE'], huge)\n"
+    )
+
+    def run(env):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "MODEL": llama_dir, **env})
+        assert result.returncode == 0, result.stderr[-2000:]
+        setting, huge_kb = result.stdout.split()[-2:]
+        return setting, int(huge_kb)
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)  # earlier engines in this process set it
+    setting, huge_kb = run({})
+    assert setting == "1"
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        mode = "[never]"
+    if "[madvise]" in mode or "[always]" in mode:
+        assert huge_kb >= 32 << 10  # most of the 64 MB KV cache
+    setting, huge_kb = run({"THP_MEM_ALLOC_ENABLE": "0"})
+    assert setting == "0"
+    if "[madvise]" in mode:  # nothing asks for them then
+        assert huge_kb == 0

@@ -218,16 +218,23 @@ def precision_floor(llm: LLM, hf_config, dtype: torch.dtype, quantization: Optio
     return floor
 
 
-def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, device: str) -> tuple[list, dict]:
-    """Every asked figure for one precision: (table rows, JSON results)."""
+def precision_engine(args, precision: Optional[str], model_dir: str,
+                     kwargs: dict) -> tuple[dict, torch.dtype, Optional[str]]:
+    """(LLM kwargs, model dtype, quantization method) of one --precision (None: the defaults)."""
     dtype_name, quantization = PRECISIONS[precision] if precision else (None, None)
     kwargs = dict(kwargs)
     if dtype_name is not None:
         kwargs["dtype"] = dtype_name
     if quantization is not None:
         kwargs["quantization"] = quantization
-    hf_config = load_hf_config(model_dir)
     dtype = getattr(torch, kwargs["dtype"]) if "dtype" in kwargs else engine_dtype(args, model_dir)
+    return kwargs, dtype, quantization
+
+
+def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, device: str) -> tuple[list, dict]:
+    """Every asked figure for one precision: (table rows, JSON results)."""
+    kwargs, dtype, quantization = precision_engine(args, precision, model_dir, kwargs)
+    hf_config = load_hf_config(model_dir)
     adapters = "adapters" in args.figures
     lora_kwargs = dict(enable_lora=True, max_loras=4, max_lora_rank=args.rank) if adapters else {}
     max_len = max([4096, args.context + 64, *(n + 64 for n in args.prefill_lengths)])
@@ -287,14 +294,9 @@ def interleaved_decode(args, model_dir: str, kwargs: dict, device: str) -> tuple
     hf_config = load_hf_config(model_dir)
     engines = {}
     for precision in args.precision:
-        dtype_name, quantization = PRECISIONS[precision]
-        kw = dict(kwargs, kv_cache_memory_bytes=INTERLEAVE_KV_BYTES)
-        if dtype_name is not None:
-            kw["dtype"] = dtype_name
-        if quantization is not None:
-            kw["quantization"] = quantization
+        kw, dtype, quantization = precision_engine(args, precision, model_dir,
+                                                   dict(kwargs, kv_cache_memory_bytes=INTERLEAVE_KV_BYTES))
         llm = LLM(model_dir, max_model_len=min(4096, hf_config.max_position_embeddings), **kw)
-        dtype = getattr(torch, kw["dtype"]) if "dtype" in kw else engine_dtype(args, model_dir)
         engines[precision] = (llm, precision_floor(llm, hf_config, dtype, quantization, device))
     times = {precision: [] for precision in engines}
     for _ in range(args.interleave):
@@ -398,9 +400,9 @@ def main() -> None:
         if not args.precision or len(args.precision) < 2:
             parser.error("--interleave needs two or more --precision values")
         rows, results["interleaved"] = interleaved_decode(args, model_dir, kwargs, device)
+        columns = ("precision", "ms (median)", "range", "floor ms", "x floor", f"x faster than {args.precision[0]}")
         print_table(f"Batch-1 decode ({args.decode_context} ctx), {device}, {name}, {args.interleave} rounds in turns, "
-                    f"{torch.get_num_threads()} threads, {args.clock} time",
-                    rows, ("precision", "ms (median)", "range", "floor ms", "x floor", f"x faster than {args.precision[0]}"))
+                    f"{torch.get_num_threads()} threads, {args.clock} time", rows, columns)
     for precision in [] if args.interleave else args.precision or [None]:
         rows, results[precision or "default"] = run_precision(args, precision, model_dir, kwargs, device)
         label = precision or str(engine_dtype(args, model_dir)).removeprefix("torch.")

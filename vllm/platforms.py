@@ -46,6 +46,12 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def cpu_has_avx512() -> bool:
+    """Whether torch's CPU kernels run AVX-512 here (its dispatch capability; ATEN_CPU_CAPABILITY
+    lowers it): where the engine's measured CPU choices differ from AVX2 machines."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def use_cpu_huge_pages() -> None:
     """Large CPU tensors (weights, the KV cache) on 2 MB transparent huge pages where the kernel
     gives them on request (THP "madvise", a common default): torch's allocator asks for them once

@@ -26,6 +26,7 @@ from vllm import LLM, SamplingParams
 from vllm.attention.backends import cpu_native, torch_ref
 from vllm.attention.layer import Attention
 from vllm.attention.variant import PLAIN, AttentionVariant
+from vllm.platforms import cpu_has_avx512
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -107,8 +108,7 @@ def test_long_prompts_match_reference(dtype):
 
 def test_max_query_len_follows_the_vector_width():
     """The kernel stays ahead of SDPA through 2,048 query tokens with AVX-512, through 512 without."""
-    wide = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    assert cpu_native.MAX_QUERY_LEN == (2048 if wide else 512)
+    assert cpu_native.MAX_QUERY_LEN == (2048 if cpu_has_avx512() else 512)
 
 
 def test_sequences_above_max_query_len_are_not_written():

@@ -220,8 +220,8 @@ def test_fp32_linear_runs_onednn_where_preferred(preferred, monkeypatch):
         pytest.skip("oneDNN is not available in this torch build")
     monkeypatch.setattr(d, "onednn_fp32_preferred", lambda: preferred)
     calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(d, "_onednn_linear", lambda *a: calls.append(1) or real(*a, "none", [], ""))
+    real = d.onednn_linear
+    monkeypatch.setattr(d, "onednn_linear", lambda *a: calls.append(1) or real(*a))
     gen = torch.Generator().manual_seed(6)
     x, w, b = torch.randn(40, 77, generator=gen), torch.randn(37, 77, generator=gen), torch.randn(37, generator=gen)
     torch.testing.assert_close(d.fp32_linear(x, w, b), d.reference_linear(x, w, b), atol=1e-4, rtol=1e-5)

@@ -30,6 +30,7 @@ from vllm import native_build
 from vllm.attention.backends import torch_ref
 from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.variant import PLAIN, AttentionVariant
+from vllm.platforms import cpu_has_avx512
 
 
 def unavailable_reason() -> Optional[str]:
@@ -67,7 +68,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 # time, 512 / 1,024 / 2,048 new tokens over a 2k cached prefix 0.72 / 0.65 / 0.55x (fp32) and
 # 0.83 / 0.79 / 0.68x (bf16); a whole 4,096-token prompt 0.9x / 1.03x. The kernel's partial
 # results grow with query tokens x context (about 30 MB at 2,048 x 4,096), another reason to stop.
-MAX_QUERY_LEN = 2048 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 512
+MAX_QUERY_LEN = 2048 if cpu_has_avx512() else 512
 
 
 def paged_attention_rows(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

@@ -63,7 +63,9 @@
 namespace {
 
 constexpr int kLanes = 8;          // fp32 lanes of one ymm register: the summation order's lanes
-constexpr int kRowTile = 8;        // weight rows per unit of work split (whole tiles of 4 or 8 rows)
+constexpr int kYmmTile = 4;        // weight rows of a ymm tile (one row a register)
+constexpr int kZmmTile = 8;        // weight rows of a zmm tile (two rows a register)
+constexpr int kRowTile = 8;        // weight rows per unit of work split: whole tiles of either
 constexpr int kZmmMinRows = 8;     // rows of x from which AVX-512 builds run zmm tiles
 constexpr int64_t kChunk = 1024;   // features per pass over a tile (4 rows fp32: 16 KB of L1)
 constexpr int64_t kTaskBytes = 64 * 1024;  // least weight bytes per parallel task
@@ -226,9 +228,9 @@ void tile(const W* w, const float* x, const float* bias, float* out, int64_t M, 
 
 // Per-task scratch of the running lanes, for every register shape a task's tiles use.
 struct Scratch {
-  explicit Scratch(int64_t M) : ymm(M * 4) {
+  explicit Scratch(int64_t M) : ymm(M * kYmmTile / Ymm::kRows) {
 #ifdef VLLM_DENSE_AVX512
-    if (M >= kZmmMinRows) zmm.resize(M * 4);  // 8 rows, 2 a register
+    if (M >= kZmmMinRows) zmm.resize(M * kZmmTile / Zmm::kRows);
 #endif
   }
   std::vector<__m256> ymm;
@@ -248,11 +250,13 @@ void rows(const W* w, const float* x, const float* bias, float* out, int64_t M, 
   int64_t n = n_begin;
 #ifdef VLLM_DENSE_AVX512
   if (M >= kZmmMinRows) {
-    for (; n + 8 <= n_end; n += 8) tile<Zmm, W, 8, P>(w, x, bias, out, M, N, K, n, scratch.zmm.data());
+    for (; n + kZmmTile <= n_end; n += kZmmTile)
+      tile<Zmm, W, kZmmTile, P>(w, x, bias, out, M, N, K, n, scratch.zmm.data());
     for (; n + 2 <= n_end; n += 2) tile<Zmm, W, 2, P>(w, x, bias, out, M, N, K, n, scratch.zmm.data());
   }
 #endif
-  for (; n + 4 <= n_end; n += 4) tile<Ymm, W, 4, P>(w, x, bias, out, M, N, K, n, scratch.ymm.data());
+  for (; n + kYmmTile <= n_end; n += kYmmTile)
+    tile<Ymm, W, kYmmTile, P>(w, x, bias, out, M, N, K, n, scratch.ymm.data());
   for (; n < n_end; ++n) tile<Ymm, W, 1, P>(w, x, bias, out, M, N, K, n, scratch.ymm.data());
 }
 #else
@@ -280,7 +284,7 @@ void gemv(const W* w, const float* x, const float* bias, float* out, int64_t M, 
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     const int64_t n_begin = begin * kRowTile, n_end = std::min(N, end * kRowTile);
 #ifdef VLLM_DENSE_AVX2
-    Scratch acc(M);  // [M, 4] running registers
+    Scratch acc(M);  // [M, registers of a tile] running lanes
     switch (prefetch_policy<W>(K)) {
       case Prefetch::kLinear: rows<W, Prefetch::kLinear>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
       case Prefetch::kNextTile: rows<W, Prefetch::kNextTile>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;

@@ -223,25 +223,31 @@ inline void block_logits(T* const* logits, const T* const* q, const T* kt, int64
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// out[0:4] = the sums of the 8 lanes of a0 .. a3: three horizontal adds for four sums.
+inline void sums_of_four(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* out) {
+  const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
+}
+#endif
+
 // out[j] = the sum of a[j]'s lanes, for KS vectors.
 template <int KS, typename T>
 inline void lane_sums(at::vec::Vectorized<T>* a, T* out) {
   using Vec = at::vec::Vectorized<T>;
 #if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float> && KS == 4) {  // three horizontal adds for four sums
-    const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
+  if constexpr (std::is_same_v<T, float> && KS == 4) {
+    sums_of_four(a[0], a[1], a[2], a[3], out);
     return;
   }
 #elif defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float> && KS == 4) {  // halves added, then AVX2's three horizontal adds
+  if constexpr (std::is_same_v<T, float> && KS == 4) {  // each vector's halves added first
     __m256 h[4];
     for (int j = 0; j < 4; ++j) {
       const __m512 v = a[j];
       h[j] = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     }
-    const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
+    sums_of_four(h[0], h[1], h[2], h[3], out);
     return;
   }
 #endif

@@ -137,8 +137,8 @@ inline int32_t weight_at(const uint8_t* row, int64_t k) {
 
 // Features [k_begin, K) of one (m, n) pair, one integer sum per run sharing a block and a group.
 template <bool kInt4>
-VLLM_NO_VECTORIZE float dot_scalar(const uint8_t* row, const float* ws, const int8_t* xq, const float* xs, int64_t k_begin, int64_t K,
-                 int64_t group) {
+VLLM_NO_VECTORIZE float dot_scalar(const uint8_t* row, const float* ws, const int8_t* xq, const float* xs,
+                                   int64_t k_begin, int64_t K, int64_t group) {
   float total = 0.f;
   int64_t k = k_begin;
   while (k < K) {

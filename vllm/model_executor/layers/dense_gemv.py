@@ -9,8 +9,8 @@ Semantics (the kernel's header states them in full):
 
 When it runs (`dense_linear`): on the CPU, for at most `native_max_rows(weight.dtype)` rows of x
 (16; 8 for fp32 on AVX-512 CPUs and 4 for bf16 where oneDNN has bf16, whose matmuls catch up
-sooner), an fp32 or bf16 weight stored plain row-major [N, K] (not oneDNN-packed), once the kernel is built, and not
-under VLLM_USE_TORCH_REFERENCE_OPS. Wherever the kernel is built, fp32 and bf16 weights stay
+sooner), an fp32 or bf16 weight stored plain row-major [N, K] (not oneDNN-packed), once the
+kernel is built, and not under VLLM_USE_TORCH_REFERENCE_OPS. Wherever the kernel is built, fp32 and bf16 weights stay
 row-major on the CPU and serve every path (platforms.py `use_onednn_linear`). Many rows (prefills)
 run `many_rows_linear`: fp32 on oneDNN reading the plain weight where the CPU has AVX-512 (MKL's
 sgemm there ran 2.2x slower: it keeps to AVX2 on AMD), F.linear elsewhere (MKL, as fast as oneDNN
@@ -59,9 +59,7 @@ def native_max_rows(dtype: torch.dtype) -> int:
     EPYC with native bf16, a SmolLM2 step's linears against `many_rows_linear` (oneDNN on the
     plain weight): fp32 1.46x / 1.18x faster at 4 / 8 rows, 0.88x / 0.86x at 12 / 16; bf16 1.17x
     faster at 4 rows, 0.86x at 8, 0.62x at 16. NATIVE_MAX_ROWS elsewhere (AVX2: the header)."""
-    from vllm.platforms import onednn_packs
-
-    if dtype == torch.bfloat16 and onednn_packs(torch.bfloat16):
+    if dtype == torch.bfloat16 and not bf16_matmul_emulated():
         return 4
     if dtype == torch.float32 and onednn_fp32_preferred():
         return 8
@@ -130,22 +128,23 @@ def onednn_fp32_preferred() -> bool:
     """Whether many-row fp32 matmuls run on oneDNN rather than MKL's sgemm: on CPUs with AVX-512,
     where oneDNN (reading the plain weight) measured 2.2x faster on SmolLM2's 2,048-row shapes
     (AMD EPYC with AVX-512: MKL keeps to AVX2 there); on AVX2 CPUs the two measured the same."""
-    from vllm.platforms import onednn_packs
+    from vllm.platforms import cpu_has_avx512, onednn_packs
 
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and onednn_packs(torch.float32)
+    return cpu_has_avx512() and onednn_packs(torch.float32)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """F.linear of fp32 x and weight (plain [N, K]) on the faster of MKL and oneDNN here
     (`onednn_fp32_preferred`); the reference path keeps F.linear."""
     if x.is_cpu and onednn_fp32_preferred() and not envs.VLLM_USE_TORCH_REFERENCE_OPS:
-        return _onednn_linear(x.contiguous(), weight, bias)
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """oneDNN's linear on a plain weight [N, K] (it reorders what it needs per call)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's linear on a weight pre-packed for it (linear.py's `pack_onednn_weight`) or on a
+    plain one [N, K] (which it reorders as it needs per call)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from vllm.distributed.parallel_state import all_reduce
-from vllm.model_executor.layers.dense_gemv import dense_linear
+from vllm.model_executor.layers.dense_gemv import dense_linear, onednn_linear
 from vllm.model_executor.layers.quantization import QuantizedWeight, quantize, quantized_linear
 from vllm.model_executor.layers.tensor_parallel import Shard
 
@@ -53,10 +53,6 @@ def copy_checked(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
 def pack_onednn_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     """A copy of `weight` [out, in] in oneDNN's pre-packed blocked layout (CPU)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[int] = None) -> None:

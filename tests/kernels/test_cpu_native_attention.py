@@ -2,7 +2,7 @@
 oracle: decodes and short prefills on a cached prefix (an aLoRA's few tokens over a long
 conversation) with shuffled block ids and noise in unused blocks, lengths of 1 and exact
 multiples of the block size, query runs and long contexts split across tasks (and merged),
-GQA ratios 1-4, head sizes 16/40/64/128, block sizes 8/12/16, fp32 (tight) and bf16/fp16
+GQA ratios 1-4, head sizes 16/32/40/64/128, block sizes 8/12/16/80, fp32 (tight) and bf16/fp16
 (loose, against fp32 on the same rounded inputs); sequences above max_query_len left alone;
 results bitwise independent of threads and of the rest of the batch; mixed batches through
 the backend; and greedy generation equal to VLLM_USE_TORCH_REFERENCE_OPS=1.
@@ -62,14 +62,16 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_size, block_size
 
 
 # (context_len, query_len): decodes first, then fresh prompts, runs of 2-3 tokens (dot products
-# on the keys in place), runs long enough to transpose key blocks, runs split over several tasks
-# (> 16 tokens), and query ends on and just past block boundaries.
-SHORT = [(0, 1), (40, 1), (0, 2), (7, 3), (0, 9), (37, 20), (5, 70), (16, 16), (63, 17), (300, 33), (1, 40)]
+# on the keys in place), runs long enough to transpose key chunks, runs split over several tasks
+# (> 32 tokens), and query ends on and just past block boundaries.
+SHORT = [(0, 1), (40, 1), (0, 2), (7, 3), (0, 9), (37, 20), (5, 70), (16, 16), (63, 17), (300, 33), (1, 40),
+         (90, 100)]
 
 
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size",
-    [(4, 4, 16, 16), (4, 2, 64, 16), (8, 2, 16, 8), (6, 2, 40, 12), (8, 2, 128, 16), (9, 3, 64, 16), (3, 1, 64, 8)],
+    [(4, 4, 16, 16), (4, 2, 64, 16), (8, 2, 16, 8), (6, 2, 40, 12), (8, 2, 128, 16), (9, 3, 64, 16), (3, 1, 64, 8),
+     (4, 2, 32, 80)],  # a block longer than the kernel's 64-key chunks
 )
 def test_short_prefills_on_a_cached_prefix_match_reference(num_heads, num_kv_heads, head_size, block_size):
     query, key, value, cache, meta = make_batch(SHORT, num_heads, num_kv_heads, head_size, block_size,
@@ -181,7 +183,8 @@ def test_strided_query_and_output_views():
 
 def test_thread_count_does_not_change_results():
     """Tasks are split by each sequence's own lengths, never by the thread count: results are
-    bitwise independent of torch.set_num_threads."""
+    bitwise independent of torch.set_num_threads. (33 groups of a run and a KV head: one to three
+    threads run whole groups, five run the tasks and then the merges.)"""
     specs = decode_specs([3, 70, 129, 64, 200, 1, 1300]) + [(300, 20), (17, 33), (700, 18)]
     query, key, value, cache, meta = make_batch(specs, 6, 3, 64, 16, seed=11)
     _, cache = reference(query, key, value, cache, meta, 0.125)

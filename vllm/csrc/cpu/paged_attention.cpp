@@ -37,14 +37,19 @@
  * A task computes the rows of its tokens times the G query heads sharing the KV head over
  * its keys, reading each key and value row of that head once for all of them: an exact
  * two-pass softmax (all logits, then max subtraction and exp, then one pass over the values)
- * whose unnormalised output, max and sum a second parallel pass merges across the key
- * ranges; a sink enters that merge as one more partial (max sink, sum 1, no value). The split
- * depends only on each sequence's own lengths (and the window), so a row's arithmetic is
- * the same whatever else is in the batch and whatever the thread count: results are bitwise
- * reproducible.
+ * whose unnormalised output, max and sum are merged across the key ranges (a sink enters
+ * that merge as one more partial: max sink, sum 1, no value). With enough (sequence, KV head,
+ * run) groups for the threads (prefills), a thread runs a group's tasks one after the other and
+ * merges them at once; otherwise (decodes) all tasks run in parallel, then the merges. The split
+ * depends only on each sequence's own lengths (and the window), and the merge's arithmetic not
+ * on which thread runs it, so a row's arithmetic is the same whatever else is in the batch and
+ * whatever the thread count: results are bitwise reproducible.
  *
- * Inner loops: a key block is transposed to [D, bs] so that one vector FMA advances W keys
- * of a query row at once, and kRowTile query rows share every load of a key or value vector.
+ * Inner loops: with few rows per task (decodes), dot products on the keys in place, kRowTile
+ * query rows sharing every load. With many, a chunk of kChunkKeys keys is transposed to
+ * [D, keys] so that one vector FMA advances W keys of a query row, in register tiles of
+ * kLogitRows rows x kLogitVecs vectors of keys; the values' tiles (kValueRows rows x 4 vectors
+ * of features) keep their accumulators in registers across the chunk's blocks.
  */
 
 // The at::vec headers pick their SIMD width from CPU_CAPABILITY_* macros, which torch's own
@@ -85,14 +90,33 @@ namespace {
 // follow poorly; two blocks ahead measured best (1.1x-1.2x over none, flat beyond).
 constexpr int64_t kPrefetchBlocks = 2;
 // Query tokens per task: more rows share each key and value read.
-constexpr int64_t kMaxTokensPerTask = 16;
+constexpr int64_t kMaxTokensPerTask = 32;
 // Keys per task (rounded up to whole blocks): a long context is split into ranges whose
 // partial softmax results are merged, so one request (Hkv tasks otherwise) keeps every
 // thread busy, and a task's logits buffer stays small.
 constexpr int64_t kKeysPerTask = 512;
-// Query rows computed together in the inner loops (register blocking: with D = 64 and
-// AVX-512, 4 rows x 4 vectors of accumulators plus the loaded row fit the 32 registers).
+// Groups (a run of tokens and a KV head, all its key ranges) per thread from which a thread runs
+// whole groups rather than single key ranges: enough that the threads stay evenly busy.
+constexpr int64_t kGroupsPerThread = 8;
+// Query rows computed together in the inner loops of a decode (keys read in place): with D = 64
+// and AVX-512, 4 rows x 4 vectors of accumulators plus the loaded row fit the 32 registers.
 constexpr int kRowTile = 4;
+// Register tiles of the many-row path (keys transposed), sized to the vector registers (32 on
+// AVX-512, 16 on AVX2): the logits take kLogitRows query rows x kLogitVecs vectors of keys
+// (each key vector loaded once for all the rows, each query value broadcast once for
+// kLogitVecs vectors), the values kValueRows rows x 4 vectors of features.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kLogitRows = 8;
+constexpr int kValueRows = 6;
+#else
+constexpr int kLogitRows = 4;
+constexpr int kValueRows = 4;
+#endif
+constexpr int kLogitVecs = 2;
+// Keys the many-row path transposes, and reads values of, at a time (rounded up to whole
+// blocks): the inner loops keep their accumulators in registers across a chunk's blocks, and a
+// chunk's transposed keys and values stay in L1 while every row tile reads them.
+constexpr int64_t kChunkKeys = 64;
 // Sequences with at least this many query rows (tokens x G) transpose each key block for the
 // logits; fewer rows (decodes: G rows) take dot products on the keys in place. Decided per
 // sequence, not per task, so a row's arithmetic never depends on how tasks are split.
@@ -101,17 +125,24 @@ constexpr int64_t kTransposeMinRows = 8;
 template <int R>
 using RowTile = std::integral_constant<int, R>;
 
-// Calls f(RowTile<r>{}, m) for consecutive tiles of rows m .. m + r - 1 covering [0, M).
-template <typename F>
+// f(RowTile<rest>{}, m) for the last rows of for_row_tiles, 0 < rest <= R.
+template <int R, typename F>
+inline void last_row_tile(int64_t rest, int64_t m, F& f) {
+  if constexpr (R > 0) {
+    if (rest == R)
+      f(RowTile<R>{}, m);
+    else
+      last_row_tile<R - 1>(rest, m, f);
+  }
+}
+
+// Calls f(RowTile<r>{}, m) for consecutive tiles of rows m .. m + r - 1 covering [0, M), r = R
+// but for the last tile.
+template <int R, typename F>
 inline void for_row_tiles(int64_t M, F&& f) {
   int64_t m = 0;
-  for (; m + kRowTile <= M; m += kRowTile) f(RowTile<kRowTile>{}, m);
-  switch (M - m) {
-    case 3: f(RowTile<3>{}, m); break;
-    case 2: f(RowTile<2>{}, m); break;
-    case 1: f(RowTile<1>{}, m); break;
-    default: break;
-  }
+  for (; m + R <= M; m += R) f(RowTile<R>{}, m);
+  if (m < M) last_row_tile<R - 1>(M - m, m, f);
 }
 
 // n rows of D values, `stride` apart, as opmath values: the cache memory itself when it is
@@ -192,34 +223,31 @@ constexpr bool kReadInPlace =
     std::is_same_v<scalar_t, at::opmath_type<scalar_t>> || std::is_same_v<scalar_t, c10::BFloat16>;
 
 // logits[r][t] = <q[r], k_t> for t < n and the R rows of a tile; kt [D, ldk] holds the n keys
-// transposed (column t = key t), so each FMA advances W keys of one row. Four partial sums
-// per row (over d mod 4) keep 4R FMA chains in flight instead of R.
+// transposed (column t = key t; ldk >= n rounded up to kLogitVecs vectors), so each FMA advances
+// W keys of one row: per feature, kLogitVecs key vectors and R broadcast query values feed
+// R * kLogitVecs independent FMA chains.
 template <int R, typename T>
 inline void block_logits(T* const* logits, const T* const* q, const T* kt, int64_t ldk, int64_t n, int64_t D) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  for (int64_t kb = 0; kb < n; kb += W) {
-    Vec acc[R][4];
+  constexpr int NV = kLogitVecs;
+  for (int64_t kb = 0; kb < n; kb += NV * W) {
+    Vec acc[R][NV];
     for (int r = 0; r < R; ++r)
-      for (int u = 0; u < 4; ++u) acc[r][u] = Vec(T(0));
+      for (int v = 0; v < NV; ++v) acc[r][v] = Vec(T(0));
     const T* col = kt + kb;
-    int64_t d = 0;
-    for (; d + 4 <= D; d += 4) {
-      const Vec k0 = Vec::loadu(col + d * ldk), k1 = Vec::loadu(col + (d + 1) * ldk),
-                k2 = Vec::loadu(col + (d + 2) * ldk), k3 = Vec::loadu(col + (d + 3) * ldk);
+    for (int64_t d = 0; d < D; ++d) {
+      Vec k[NV];
+      for (int v = 0; v < NV; ++v) k[v] = Vec::loadu(col + d * ldk + v * W);
       for (int r = 0; r < R; ++r) {
-        acc[r][0] = at::vec::fmadd(Vec(q[r][d]), k0, acc[r][0]);
-        acc[r][1] = at::vec::fmadd(Vec(q[r][d + 1]), k1, acc[r][1]);
-        acc[r][2] = at::vec::fmadd(Vec(q[r][d + 2]), k2, acc[r][2]);
-        acc[r][3] = at::vec::fmadd(Vec(q[r][d + 3]), k3, acc[r][3]);
+        const Vec qd(q[r][d]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(qd, k[v], acc[r][v]);
       }
     }
-    for (; d < D; ++d) {
-      const Vec k = Vec::loadu(col + d * ldk);
-      for (int r = 0; r < R; ++r) acc[r][0] = at::vec::fmadd(Vec(q[r][d]), k, acc[r][0]);
+    for (int v = 0; v < NV && kb + v * W < n; ++v) {
+      const int64_t w = std::min(W, n - kb - v * W);
+      for (int r = 0; r < R; ++r) acc[r][v].store(logits[r] + kb + v * W, w);
     }
-    const int64_t w = std::min(W, n - kb);
-    for (int r = 0; r < R; ++r) ((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3])).store(logits[r] + kb, w);
   }
 }
 
@@ -300,21 +328,30 @@ inline void row_logits(T* const* logits, const T* const* q, const S* rows, int64
   }
 }
 
-// acc[r][0:D] += sum over t < n of p[r][t] * rows[t * stride : t * stride + D] for the R rows of
-// a tile. Four vectors of each row's acc stay in registers across all n value rows.
+// acc[r][0:D] += sum over t < n of p[r][t] * v_t for the R rows of a tile, where value row t is
+// blocks[t / bs] + (t % bs) * stride (a chunk of blocks, or one). Four vectors of each row's acc
+// stay in registers across all n value rows.
 template <int R, typename T, typename S>
-inline void block_values(T* const* acc, const T* const* p, const S* rows, int64_t stride, int64_t n, int64_t D,
-                         const Ahead& ahead) {
+inline void block_values(T* const* acc, const T* const* p, const S* const* blocks, int64_t bs, int64_t stride,
+                         int64_t n, int64_t D, const Ahead& ahead) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
+  // f(t, row) for every value row t < n, block by block.
+  const auto for_rows = [&](auto&& f) {
+    for (int64_t b = 0; b * bs < n; ++b) {
+      const S* rows = blocks[b];
+      const int64_t t0 = b * bs, nb = std::min(bs, n - t0);
+      for (int64_t t = 0; t < nb; ++t) f(t0 + t, rows + t * stride);
+    }
+  };
   int64_t d = 0;
   for (; d + 4 * W <= D; d += 4 * W) {
     Vec a[R][4];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) a[r][v] = Vec::loadu(acc[r] + d + v * W);
-    for (int64_t t = 0; t < n; ++t) {
+    for_rows([&](int64_t t, const S* row) {
       if (d == 0) ahead.ask(t);
-      const S* row = rows + t * stride + d;
+      row += d;
       const Vec v0 = load_row(row, W), v1 = load_row(row + W, W), v2 = load_row(row + 2 * W, W),
                 v3 = load_row(row + 3 * W, W);
       for (int r = 0; r < R; ++r) {
@@ -324,7 +361,7 @@ inline void block_values(T* const* acc, const T* const* p, const S* rows, int64_
         a[r][2] = at::vec::fmadd(pt, v2, a[r][2]);
         a[r][3] = at::vec::fmadd(pt, v3, a[r][3]);
       }
-    }
+    });
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) a[r][v].store(acc[r] + d + v * W);
   }
@@ -332,37 +369,41 @@ inline void block_values(T* const* acc, const T* const* p, const S* rows, int64_
     const int64_t w = std::min(W, D - d);
     Vec a[R];
     for (int r = 0; r < R; ++r) a[r] = Vec::loadu(acc[r] + d, w);
-    for (int64_t t = 0; t < n; ++t) {
+    for_rows([&](int64_t t, const S* row) {
       if (d == 0) ahead.ask(t);
-      const Vec v = load_row(rows + t * stride + d, w);
+      const Vec v = load_row(row + d, w);
       for (int r = 0; r < R; ++r) a[r] = at::vec::fmadd(Vec(p[r][t]), v, a[r]);
-    }
+    });
     for (int r = 0; r < R; ++r) a[r].store(acc[r] + d, w);
   }
 }
 
 // In place: row[0:n] = exp(row - max(row)) for n >= 1; returns {max(row), sum of the result}.
-// The exp and the sum share one pass over the row.
+// The exp and the sum share one pass over the row. Four running maxima: one was a chain of
+// dependent instructions that bound the loop.
 template <typename opmath_t>
 inline std::pair<opmath_t, opmath_t> softmax_numerators(opmath_t* row, int64_t n) {
   using Vec = at::vec::Vectorized<opmath_t>;
   constexpr int64_t W = Vec::size();
+  const auto max_of = [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); };
+  Vec m[4];
+  for (auto& v : m) v = Vec(-std::numeric_limits<opmath_t>::infinity());
+  int64_t t = 0;
+  for (; t + 4 * W <= n; t += 4 * W)
+    for (int u = 0; u < 4; ++u) m[u] = max_of(m[u], Vec::loadu(row + t + u * W));
+  for (; t + W <= n; t += W) m[0] = max_of(m[0], Vec::loadu(row + t));
+  if (t < n) m[1] = max_of(m[1], Vec::set(m[1], Vec::loadu(row + t, n - t), n - t));
   const opmath_t max_value =
-      at::vec::reduce_all<opmath_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
+      at::vec::vec_reduce_all<opmath_t>(max_of, max_of(max_of(m[0], m[1]), max_of(m[2], m[3])));
   const Vec max(max_value);
   Vec sum(opmath_t(0));
-  int64_t t = 0;
-  for (; t + W <= n; t += W) {
-    const Vec e = (Vec::loadu(row + t) - max).exp_u20();
-    e.store(row + t);
+  for (t = 0; t < n; t += W) {
+    const int64_t w = std::min(W, n - t);
+    const Vec e = Vec::set(Vec(opmath_t(0)), (Vec::loadu(row + t, w) - max).exp_u20(), w);
+    e.store(row + t, w);
     sum = sum + e;
   }
-  if (t < n) {
-    const Vec e = Vec::set(Vec(opmath_t(0)), (Vec::loadu(row + t, n - t) - max).exp_u20(), n - t);
-    e.store(row + t, n - t);
-    sum = sum + e;
-  }
-  return {max_value, at::vec::vec_reduce_all<opmath_t>([](Vec& a, Vec& b) { return a + b; }, sum)};
+  return {max_value, at::vec::vec_reduce_all<opmath_t>([](const Vec& a, const Vec& b) { return a + b; }, sum)};
 }
 
 // In place: row[0:n] = cap * tanh(row / cap), the logit soft cap (Gemma 2).
@@ -390,8 +431,9 @@ inline int64_t first_visible(const Variant& variant, int64_t p) {
 
 // A per-thread buffer of at least n values, kept across calls: the scratch of a task that
 // attends over a long context is hundreds of KB, which a fresh allocation per call would
-// pay for again in page faults.
-template <typename T>
+// pay for again in page faults. Buffers of different Use are distinct.
+enum class Use { kTask, kPartials };
+template <typename T, Use use = Use::kTask>
 inline T* thread_scratch(size_t n) {
   thread_local std::vector<T> buffer;
   if (buffer.size() < n) buffer.resize(n);
@@ -440,7 +482,10 @@ inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, co
 
 // Partial results of one task: per row, the unnormalised output [D], then the max logit and the
 // sum of exp(logit - max) over the task's keys (-inf and 0 when the row attends to none of them).
-template <typename scalar_t>
+// kTranspose: the many-row path (keys transposed a chunk at a time) or the decode path (keys and
+// values read in place, a block at a time); one function each, so that each path's inner loops
+// are compiled, and inlined, on their own.
+template <typename scalar_t, bool kTranspose>
 void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, int64_t q_s1, const scalar_t* k_cache,
                        const scalar_t* v_cache, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                        const int32_t* qsl, int64_t G, int64_t D, int64_t bs, int64_t Hkv, int64_t keys_per_task,
@@ -448,21 +493,22 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int64_t W = at::vec::Vectorized<opmath_t>::size();
   const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;  // within kv_cache[0 or 1]
-  const int64_t ldk = (bs + W - 1) / W * W;                          // a transposed key block's row length
   const int64_t ahead = kPrefetchBlocks * bs, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t L = seq_lens[task.seq], q_len = qsl[task.seq + 1] - qsl[task.seq];
   const int64_t M = (task.j1 - task.j0) * G, span = task.k1 - task.k0;
   const int32_t* blocks = tables + task.seq * table_stride;
   const scalar_t* k_head = k_cache + task.kv * D;
   const scalar_t* v_head = v_cache + task.kv * D;
-  const bool transpose = q_len * G >= kTransposeMinRows;
+  // Keys read at a time: a chunk of blocks where the keys are transposed, else one block.
+  const int64_t chunk = kTranspose ? (kChunkKeys + bs - 1) / bs * bs : bs;
+  const int64_t ldk = (chunk + kLogitVecs * W - 1) / (kLogitVecs * W) * (kLogitVecs * W);  // transposed row length
 
   // Per-thread scratch, reused by every task. Row m is token j0 + m / G, query head kv * G + m % G.
   const int64_t max_rows = kMaxTokensPerTask * G;
-  opmath_t* q = thread_scratch<opmath_t>(max_rows * D + max_rows * keys_per_task + bs * D + D * ldk);
-  opmath_t* logits = q + max_rows * D;               // [rows, span] (q: [rows, D], pre-scaled)
-  opmath_t* rows = logits + max_rows * keys_per_task;  // [bs, D] one converted block (non-opmath storage)
-  opmath_t* kt = rows + bs * D;                      // [D, ldk] one transposed key block
+  opmath_t* q = thread_scratch<opmath_t>(max_rows * D + max_rows * keys_per_task + chunk * D + D * ldk);
+  opmath_t* logits = q + max_rows * D;                 // [rows, span] (q: [rows, D], pre-scaled)
+  opmath_t* rows = logits + max_rows * keys_per_task;  // [chunk, D] converted blocks (non-opmath storage)
+  opmath_t* kt = rows + chunk * D;                     // [D, ldk] one chunk's keys transposed
   // [2, rows]: the keys of the range each row attends to are lo[m] .. hi[m] - 1 (causal, window)
   int64_t* lo = thread_scratch<int64_t>(2 * max_rows);
   int64_t* hi = lo + max_rows;
@@ -489,21 +535,26 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
                    row_bytes};
     return head + blocks[key / bs] * block_stride;
   };
-
-  // Pass 1: logits of the task's keys, one block at a time.
-  for (int64_t start = 0; start < span; start += bs) {
-    const int64_t n = std::min(bs, span - start);
+  // Pass 1: logits of the task's keys, one chunk at a time.
+  for (int64_t start = 0; start < span; start += chunk) {
+    const int64_t n = std::min(chunk, span - start);
     Ahead next;
-    const scalar_t* block = block_at(k_head, start, next);
-    // The block as opmath rows where the inner loops do not read it in place.
+    const scalar_t* block = nullptr;
     int64_t stride = token_stride;
     const opmath_t* k = nullptr;
-    if (transpose || !kReadInPlace<scalar_t>) k = rows_as_opmath(block, n, token_stride, D, rows, stride);
-    if (transpose) {
-      for (int64_t t = 0; t < next.n; ++t) next.ask(t);  // many rows share each key: one burst is fine
-      at::vec::transpose_mxn<opmath_t>(k, stride, kt, ldk, n, D);
+    if constexpr (kTranspose) {
+      for (int64_t b = 0; b * bs < n; ++b) {  // each block as opmath rows, transposed into the chunk
+        const int64_t nb = std::min(bs, n - b * bs);
+        k = rows_as_opmath(block_at(k_head, start + b * bs, next), nb, token_stride, D, rows, stride);
+        for (int64_t t = 0; t < next.n; ++t) next.ask(t);  // many rows share each key: one burst is fine
+        at::vec::transpose_mxn<opmath_t>(k, stride, kt + b * bs, ldk, nb, D);
+      }
+    } else {
+      block = block_at(k_head, start, next);
+      // The block as opmath rows where the inner loops do not read it in place.
+      if constexpr (!kReadInPlace<scalar_t>) k = rows_as_opmath(block, n, token_stride, D, rows, stride);
     }
-    for_row_tiles(M, [&](auto tile, int64_t m) {
+    for_row_tiles<kTranspose ? kLogitRows : kRowTile>(M, [&](auto tile, int64_t m) {
       constexpr int R = decltype(tile)::value;
       opmath_t* lp[R];
       const opmath_t* qp[R];
@@ -511,12 +562,14 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
         lp[r] = logits + (m + r) * keys_per_task + start;
         qp[r] = q + (m + r) * D;
       }
-      if (transpose)
+      if constexpr (kTranspose) {
         block_logits<R>(lp, qp, kt, ldk, n, D);
-      else if constexpr (kReadInPlace<scalar_t>)
-        row_logits<R>(lp, qp, block, token_stride, n, D, m == 0 ? next : Ahead{});
-      else
-        row_logits<R>(lp, qp, k, stride, n, D, m == 0 ? next : Ahead{});
+      } else {
+        if constexpr (kReadInPlace<scalar_t>)
+          row_logits<R>(lp, qp, block, token_stride, n, D, m == 0 ? next : Ahead{});
+        else
+          row_logits<R>(lp, qp, k, stride, n, D, m == 0 ? next : Ahead{});
+      }
     });
   }
   // Softmax numerators over each row's keys (soft-capped first); the rest of the range gets
@@ -537,15 +590,23 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
     std::fill(part, part + D, opmath_t(0));
   }
 
-  // Pass 2: probability-weighted sum of the values into the partial rows.
-  for (int64_t start = 0; start < span; start += bs) {
-    const int64_t n = std::min(bs, span - start);
+  // Pass 2: probability-weighted sum of the values into the partial rows, one chunk at a time.
+  const scalar_t* in_place[kChunkKeys];  // a chunk's value blocks (at most one per key)
+  const opmath_t* converted[kChunkKeys];  // the same, converted where not read in place
+  for (int64_t start = 0; start < span; start += chunk) {
+    const int64_t n = std::min(chunk, span - start);
     Ahead next;
-    const scalar_t* block = block_at(v_head, start, next);
     int64_t stride = token_stride;
-    const opmath_t* v = nullptr;
-    if constexpr (!kReadInPlace<scalar_t>) v = rows_as_opmath(block, n, token_stride, D, rows, stride);
-    for_row_tiles(M, [&](auto tile, int64_t m) {
+    for (int64_t b = 0; b * bs < n; ++b) {
+      in_place[b] = block_at(v_head, start + b * bs, next);
+      if constexpr (kTranspose)
+        for (int64_t t = 0; t < next.n; ++t) next.ask(t);
+      if constexpr (!kReadInPlace<scalar_t>)
+        converted[b] = rows_as_opmath(in_place[b], std::min(bs, n - b * bs), token_stride, D, rows + b * bs * D,
+                                      stride);
+    }
+    if constexpr (kTranspose) next = Ahead{};  // asked for above
+    for_row_tiles<kTranspose ? kValueRows : kRowTile>(M, [&](auto tile, int64_t m) {
       constexpr int R = decltype(tile)::value;
       opmath_t* ap[R];
       const opmath_t* pp[R];
@@ -554,9 +615,9 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
         pp[r] = logits + (m + r) * keys_per_task + start;
       }
       if constexpr (kReadInPlace<scalar_t>)
-        block_values<R>(ap, pp, block, token_stride, n, D, m == 0 ? next : Ahead{});
+        block_values<R>(ap, pp, in_place, bs, stride, n, D, m == 0 ? next : Ahead{});
       else
-        block_values<R>(ap, pp, v, stride, n, D, m == 0 ? next : Ahead{});
+        block_values<R>(ap, pp, converted, bs, stride, n, D, m == 0 ? next : Ahead{});
     });
   }
 }
@@ -611,24 +672,45 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   std::vector<Group> groups;
   split_tasks(seqs, qsl, seq_lens, Hkv, G, bs, keys_per_task, variant, tasks, groups);
   const Task& last = tasks.back();
-  std::vector<opmath_t> partials((last.part + (last.j1 - last.j0) * G) * (D + 2));
+  // Every value a merge reads is written first (pass 2 zeroes each row's accumulator): the
+  // buffer, several MB for a long prompt, is the calling thread's, not allocated and cleared anew.
+  opmath_t* partials = thread_scratch<opmath_t, Use::kPartials>((last.part + (last.j1 - last.j0) * G) * (D + 2));
 
   const scalar_t* k_cache = kv_cache.const_data_ptr<scalar_t>();
   const scalar_t* v_cache = k_cache + num_blocks * bs * Hkv * D;
   const scalar_t* q_base = query.const_data_ptr<scalar_t>();
   const int32_t* tables = block_table.const_data_ptr<int32_t>();
   const opmath_t op_scale = static_cast<opmath_t>(scale);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      partial_attention<scalar_t>(tasks[t], q_base, query.stride(0), query.stride(1), k_cache, v_cache, tables,
-                                  block_table.stride(0), seq_lens, qsl, G, D, bs, Hkv, keys_per_task, op_scale,
-                                  variant, partials.data());
-  });
   scalar_t* out_base = out.data_ptr<scalar_t>();
-  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      merge_partials<scalar_t>(groups[g], tasks, partials.data(), out_base, out.stride(0), out.stride(1), qsl, G, D,
-                               variant.sinks);
+  auto run_task = [&](int64_t t) {
+    // Decided per sequence, not per task, so a row's arithmetic never depends on how tasks are split.
+    const bool transpose = (qsl[tasks[t].seq + 1] - qsl[tasks[t].seq]) * G >= kTransposeMinRows;
+    (transpose ? partial_attention<scalar_t, true> : partial_attention<scalar_t, false>)(
+        tasks[t], q_base, query.stride(0), query.stride(1), k_cache, v_cache, tables, block_table.stride(0), seq_lens,
+        qsl, G, D, bs, Hkv, keys_per_task, op_scale, variant, partials);
+  };
+  auto merge = [&](int64_t g) {
+    merge_partials<scalar_t>(groups[g], tasks, partials, out_base, out.stride(0), out.stride(1), qsl, G, D,
+                             variant.sinks);
+  };
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+  if (num_groups >= kGroupsPerThread * at::get_num_threads()) {
+    // Enough groups to share out (prefills): a thread runs a group's tasks and merges their
+    // partials right away, while they are still in its cache (merged later, they were read back
+    // from memory). The arithmetic is the same either way.
+    at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        for (int64_t s = 0; s < groups[g].count; ++s) run_task(groups[g].first + s * groups[g].stride);
+        merge(g);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) run_task(t);
+  });
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) merge(g);
   });
 }
 

@@ -1,14 +1,16 @@
-"""Native CPU attention: sequences with at most MAX_QUERY_LEN query tokens (decodes, an
-aLoRA's few tokens over a long cached conversation, small chunks) run the C++ kernel of
-vllm/csrc/cpu/paged_attention.cpp, which reads keys and values in place from the paged KV
-cache; longer prefills run the torch reference. Same signature and semantics as
+"""Native CPU attention: sequences with at most MAX_QUERY_LEN query tokens (all of them on
+AVX-512 CPUs, up to 1,024 elsewhere: decodes, an aLoRA's few tokens over a long cached
+conversation, prompts and chunks) run the C++ kernel of vllm/csrc/cpu/paged_attention.cpp,
+which reads keys and values in place from the paged KV cache; longer prefills run the torch
+reference. Same signature and semantics as
 vllm/attention/backends/torch_ref.py, which stays the reference and the test oracle,
 every AttentionVariant included: the kernel applies the sliding window (reading only the
 blocks the window touches), the logit soft cap and the sinks itself.
 
 Why: torch_ref gathers every block it reads into a contiguous copy and builds a mask
 before SDPA; with few query rows over a long context that copy and mask cost more than
-the attention itself. The kernel skips both.
+the attention itself. The kernel skips both, and for prompts its register-tiled loops over
+transposed key chunks run at 2-3x SDPA's rate where vectors are 512 bits wide.
 
 Invariants:
   - The kernel is built on first use (the first Attention layer of an engine on CPU, never
@@ -61,14 +63,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 # Query tokens up to which a sequence runs the kernel rather than SDPA. Measured one thread, 9
-# query / 3 KV heads of 64: on a Zen 3 EPYC (AVX2; fp32, over a 2k-token context) the kernel took
-# 0.35x torch_ref's time at 4 query tokens, 0.55x at 20, 0.8x at 128, 0.95x at 512, and lost at
-# 1024, where SDPA's blocked GEMMs catch up. On an AVX-512 EPYC (its vectors twice as wide) it
-# stays ahead through 2048: a whole 2,048-token prompt 0.74x (fp32) / 0.86x (bf16) of torch_ref's
-# time, 512 / 1,024 / 2,048 new tokens over a 2k cached prefix 0.72 / 0.65 / 0.55x (fp32) and
-# 0.83 / 0.79 / 0.68x (bf16); a whole 4,096-token prompt 0.9x / 1.03x. The kernel's partial
-# results grow with query tokens x context (about 30 MB at 2,048 x 4,096), another reason to stop.
-MAX_QUERY_LEN = 2048 if cpu_has_avx512() else 512
+# query / 3 KV heads of 64, fp32 and bf16, on an AVX-512 EPYC (Zen 5 class): the kernel takes
+# 0.31x torch_ref's time for a 512-token prompt, 0.43x at 2,048, 0.48x at 4,096, 0.51x at 8,192
+# (165 GFLOP/s, flat from 2k to 16k: time stays proportional to FLOPs), and 0.34-0.42x for
+# 512-2,048 new tokens over a 2k-4k cached prefix: no limit there. Built for AVX2 on the same
+# machine (-mno-avx512f, torch at its AVX2 level) it took 0.61x at 512, 0.86-0.92x at 1,024,
+# 1.0x at 2,048 and 1.1x at 4,096, where SDPA's blocked GEMMs catch up. A prefill's partial
+# results are one group's at a time per thread (tens of KB), whatever the prompt's length.
+MAX_QUERY_LEN = 2**31 - 1 if cpu_has_avx512() else 1024
 
 
 def paged_attention_rows(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

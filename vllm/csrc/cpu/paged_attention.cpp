@@ -440,8 +440,8 @@ inline T* thread_scratch(size_t n) {
   return buffer.data();
 }
 
-// One task: query tokens [j0, j1) of sequence `seq`, KV head `kv`, keys [k0, k1). Its rows'
-// partial results start at row `part` of the partials buffer.
+// One task: query tokens [j0, j1) of sequence `seq`, KV head `kv`, keys [k0, k1). Where all tasks
+// run before the merges, its rows' partial results start at row `part` of the shared buffer.
 struct Task {
   int64_t seq, kv, j0, j1, k0, k1, part;
 };
@@ -489,7 +489,7 @@ template <typename scalar_t, bool kTranspose>
 void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, int64_t q_s1, const scalar_t* k_cache,
                        const scalar_t* v_cache, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                        const int32_t* qsl, int64_t G, int64_t D, int64_t bs, int64_t Hkv, int64_t keys_per_task,
-                       at::opmath_type<scalar_t> scale, const Variant& variant, at::opmath_type<scalar_t>* partials) {
+                       at::opmath_type<scalar_t> scale, const Variant& variant, at::opmath_type<scalar_t>* part_rows) {
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int64_t W = at::vec::Vectorized<opmath_t>::size();
   const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;  // within kv_cache[0 or 1]
@@ -577,7 +577,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   const opmath_t cap = static_cast<opmath_t>(variant.soft_cap);
   for (int64_t m = 0; m < M; ++m) {
     opmath_t* row = logits + m * keys_per_task;
-    opmath_t* part = partials + (task.part + m) * (D + 2);
+    opmath_t* part = part_rows + m * (D + 2);
     if (hi[m] > lo[m]) {
       if (cap > 0) soft_cap_logits(row + lo[m], hi[m] - lo[m], cap);
       std::tie(part[D], part[D + 1]) = softmax_numerators(row + lo[m], hi[m] - lo[m]);
@@ -611,7 +611,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
       opmath_t* ap[R];
       const opmath_t* pp[R];
       for (int r = 0; r < R; ++r) {
-        ap[r] = partials + (task.part + m + r) * (D + 2);
+        ap[r] = part_rows + (m + r) * (D + 2);
         pp[r] = logits + (m + r) * keys_per_task + start;
       }
       if constexpr (kReadInPlace<scalar_t>)
@@ -624,9 +624,10 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
 
 // out rows of a group: its tasks' partials merged in key order,
 // out = sum_s exp(max_s - max) acc_s / (sum_s exp(max_s - max) sum_s + exp(sink - max)),
-// max taken over the partials and the sink (the sink terms only with sinks).
-template <typename scalar_t>
-void merge_partials(const Group& group, const std::vector<Task>& tasks, const at::opmath_type<scalar_t>* partials,
+// max taken over the partials and the sink (the sink terms only with sinks). part_rows(s): the
+// partials of the group's task s, [M, D + 2].
+template <typename scalar_t, typename PartRows>
+void merge_partials(const Group& group, const std::vector<Task>& tasks, const PartRows& part_rows,
                     scalar_t* out_base, int64_t o_s0, int64_t o_s1, const int32_t* qsl, int64_t G, int64_t D,
                     const float* sinks) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -635,7 +636,7 @@ void merge_partials(const Group& group, const std::vector<Task>& tasks, const at
   const Task& first = tasks[group.first];
   const int64_t M = (first.j1 - first.j0) * G;
   for (int64_t m = 0; m < M; ++m) {
-    auto part = [&](int64_t s) { return partials + (tasks[group.first + s * group.stride].part + m) * (D + 2); };
+    auto part = [&](int64_t s) { return part_rows(s) + m * (D + 2); };
     const int64_t j = first.j0 + m / G, h = first.kv * G + m % G;
     opmath_t max = -std::numeric_limits<opmath_t>::infinity();
     for (int64_t s = 0; s < group.count; ++s) max = std::max(max, part(s)[D]);
@@ -671,46 +672,48 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   std::vector<Task> tasks;
   std::vector<Group> groups;
   split_tasks(seqs, qsl, seq_lens, Hkv, G, bs, keys_per_task, variant, tasks, groups);
-  const Task& last = tasks.back();
-  // Every value a merge reads is written first (pass 2 zeroes each row's accumulator): the
-  // buffer, several MB for a long prompt, is the calling thread's, not allocated and cleared anew.
-  opmath_t* partials = thread_scratch<opmath_t, Use::kPartials>((last.part + (last.j1 - last.j0) * G) * (D + 2));
-
   const scalar_t* k_cache = kv_cache.const_data_ptr<scalar_t>();
   const scalar_t* v_cache = k_cache + num_blocks * bs * Hkv * D;
   const scalar_t* q_base = query.const_data_ptr<scalar_t>();
   const int32_t* tables = block_table.const_data_ptr<int32_t>();
   const opmath_t op_scale = static_cast<opmath_t>(scale);
   scalar_t* out_base = out.data_ptr<scalar_t>();
-  auto run_task = [&](int64_t t) {
+  // Task t's partial results into `rows` [M, D + 2].
+  auto run_task = [&](int64_t t, opmath_t* rows) {
     // Decided per sequence, not per task, so a row's arithmetic never depends on how tasks are split.
     const bool transpose = (qsl[tasks[t].seq + 1] - qsl[tasks[t].seq]) * G >= kTransposeMinRows;
     (transpose ? partial_attention<scalar_t, true> : partial_attention<scalar_t, false>)(
         tasks[t], q_base, query.stride(0), query.stride(1), k_cache, v_cache, tables, block_table.stride(0), seq_lens,
-        qsl, G, D, bs, Hkv, keys_per_task, op_scale, variant, partials);
+        qsl, G, D, bs, Hkv, keys_per_task, op_scale, variant, rows);
   };
-  auto merge = [&](int64_t g) {
-    merge_partials<scalar_t>(groups[g], tasks, partials, out_base, out.stride(0), out.stride(1), qsl, G, D,
+  auto merge = [&](int64_t g, const auto& part_rows) {
+    merge_partials<scalar_t>(groups[g], tasks, part_rows, out_base, out.stride(0), out.stride(1), qsl, G, D,
                              variant.sinks);
   };
   const int64_t num_groups = static_cast<int64_t>(groups.size());
   if (num_groups >= kGroupsPerThread * at::get_num_threads()) {
-    // Enough groups to share out (prefills): a thread runs a group's tasks and merges their
-    // partials right away, while they are still in its cache (merged later, they were read back
-    // from memory). The arithmetic is the same either way.
+    // Enough groups to share out (prefills): a thread runs a group's tasks into a buffer of its own
+    // and merges them right away, while they are in its cache (merged later, they were read back
+    // from memory), and no buffer grows with the prompt. The arithmetic is the same either way.
     at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
-        for (int64_t s = 0; s < groups[g].count; ++s) run_task(groups[g].first + s * groups[g].stride);
-        merge(g);
+        const Task& first = tasks[groups[g].first];
+        const int64_t task_values = (first.j1 - first.j0) * G * (D + 2);
+        opmath_t* local = thread_scratch<opmath_t, Use::kPartials>(groups[g].count * task_values);
+        for (int64_t s = 0; s < groups[g].count; ++s) run_task(groups[g].first + s * groups[g].stride, local + s * task_values);
+        merge(g, [&](int64_t s) { return local + s * task_values; });
       }
     });
     return;
   }
+  const Task& last = tasks.back();
+  std::vector<opmath_t> partials((last.part + (last.j1 - last.j0) * G) * (D + 2));
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) run_task(t);
+    for (int64_t t = begin; t < end; ++t) run_task(t, partials.data() + tasks[t].part * (D + 2));
   });
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) merge(g);
+    for (int64_t g = begin; g < end; ++g)
+      merge(g, [&](int64_t s) { return partials.data() + tasks[groups[g].first + s * groups[g].stride].part * (D + 2); });
   });
 }
 

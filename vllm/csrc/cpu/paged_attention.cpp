@@ -52,16 +52,7 @@
  * of features) keep their accumulators in registers across the chunk's blocks.
  */
 
-// The at::vec headers pick their SIMD width from CPU_CAPABILITY_* macros, which torch's own
-// build sets per kernel file; here they follow the instruction sets -march=native enabled.
-// CPU_CAPABILITY names the inline namespace of the vector types: a name of our own keeps
-// them apart from any copy compiled into libtorch.
-#define CPU_CAPABILITY vllm_cpu_native
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
+#include "attention_tiles.h"  // first: it sets the vector width at::vec builds for
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -72,18 +63,15 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
-#include "bf16_bits.h"
-#include "prefetch.h"
-
 namespace {
+
+using namespace vllm_attention_tiles;
 
 // How many blocks ahead of the one being read a task asks for its rows. The rows of one KV
 // head are strided (Hkv * D apart) and the blocks scattered, which the hardware prefetchers
@@ -98,21 +86,6 @@ constexpr int64_t kKeysPerTask = 512;
 // Groups (a run of tokens and a KV head, all its key ranges) per thread from which a thread runs
 // whole groups rather than single key ranges: enough that the threads stay evenly busy.
 constexpr int64_t kGroupsPerThread = 8;
-// Query rows computed together in the inner loops of a decode (keys read in place): with D = 64
-// and AVX-512, 4 rows x 4 vectors of accumulators plus the loaded row fit the 32 registers.
-constexpr int kRowTile = 4;
-// Register tiles of the many-row path (keys transposed), sized to the vector registers (32 on
-// AVX-512, 16 on AVX2): the logits take kLogitRows query rows x kLogitVecs vectors of keys
-// (each key vector loaded once for all the rows, each query value broadcast once for
-// kLogitVecs vectors), the values kValueRows rows x 4 vectors of features.
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kLogitRows = 8;
-constexpr int kValueRows = 6;
-#else
-constexpr int kLogitRows = 4;
-constexpr int kValueRows = 4;
-#endif
-constexpr int kLogitVecs = 2;
 // Keys the many-row path transposes, and reads values of, at a time (rounded up to whole
 // blocks): the inner loops keep their accumulators in registers across a chunk's blocks, and a
 // chunk's transposed keys and values stay in L1 while every row tile reads them.
@@ -121,301 +94,6 @@ constexpr int64_t kChunkKeys = 64;
 // logits; fewer rows (decodes: G rows) take dot products on the keys in place. Decided per
 // sequence, not per task, so a row's arithmetic never depends on how tasks are split.
 constexpr int64_t kTransposeMinRows = 8;
-
-template <int R>
-using RowTile = std::integral_constant<int, R>;
-
-// f(RowTile<rest>{}, m) for the last rows of for_row_tiles, 0 < rest <= R.
-template <int R, typename F>
-inline void last_row_tile(int64_t rest, int64_t m, F& f) {
-  if constexpr (R > 0) {
-    if (rest == R)
-      f(RowTile<R>{}, m);
-    else
-      last_row_tile<R - 1>(rest, m, f);
-  }
-}
-
-// Calls f(RowTile<r>{}, m) for consecutive tiles of rows m .. m + r - 1 covering [0, M), r = R
-// but for the last tile.
-template <int R, typename F>
-inline void for_row_tiles(int64_t M, F&& f) {
-  int64_t m = 0;
-  for (; m + R <= M; m += R) f(RowTile<R>{}, m);
-  if (m < M) last_row_tile<R - 1>(M - m, m, f);
-}
-
-// n rows of D values, `stride` apart, as opmath values: the cache memory itself when it is
-// stored in opmath type (no copy), else a converted copy in `scratch` [n, D]. Converting a
-// block once serves every query row of the task. Returns the rows and sets `row_stride`.
-template <typename scalar_t, typename opmath_t>
-inline const opmath_t* rows_as_opmath(const scalar_t* src, int64_t n, int64_t stride, int64_t D,
-                                      opmath_t* scratch, int64_t& row_stride) {
-  if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-    row_stride = stride;
-    return src;
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<opmath_t, float>) {
-    // bf16 as its bits, widened by a shift: exactly the cast, and a loop the compiler vectorizes
-    // (c10::BFloat16's own conversion did not: bf16 decodes ran at a third of fp32's bandwidth).
-    for (int64_t t = 0; t < n; ++t) {
-      const uint16_t* row = reinterpret_cast<const uint16_t*>(src + t * stride);
-      float* dst = scratch + t * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = vllm_cpu_bits::widen(row[d]);
-    }
-    row_stride = D;
-    return scratch;
-  } else {
-    for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* row = src + t * stride;
-      opmath_t* dst = scratch + t * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<opmath_t>(row[d]);
-    }
-    row_stride = D;
-    return scratch;
-  }
-}
-
-// The rows of a block further on, asked for one row per key the inner loops compute rather
-// than a block at once: a burst of prefetches stalls on the core's few miss buffers (it was half
-// of a decode's time outside the arithmetic).
-struct Ahead {
-  const char* rows = nullptr;            // row 0, or nullptr for none
-  int64_t n = 0, stride = 0, bytes = 0;  // rows; bytes from one row to the next; bytes to ask for per row
-  void ask(int64_t t) const {
-    if (t < n)
-      for (int64_t b = 0; b < bytes; b += 64) vllm_cpu_bits::prefetch_line(rows + t * stride + b);
-  }
-};
-
-// w <= W values of a cache row as opmath values (the rest of the vector 0): opmath storage as it
-// is; bf16 widened in registers (its bits shifted into the high half: exactly the cast), so
-// decodes read bf16 keys and values in place instead of converting each block into a scratch copy
-// first (that copy took more of a bf16 decode's attention than the arithmetic).
-template <typename T>
-inline at::vec::Vectorized<T> load_row(const T* p, int64_t w) {
-  return at::vec::Vectorized<T>::loadu(p, w);
-}
-
-inline at::vec::Vectorized<float> load_row(const c10::BFloat16* p, int64_t w) {
-  using Vec = at::vec::Vectorized<float>;
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m256i bits = w == Vec::size() ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                        : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << w) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-#elif defined(CPU_CAPABILITY_AVX2)
-  uint16_t part[8] = {};
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(p);
-  if (w < Vec::size()) src = static_cast<const uint16_t*>(std::memcpy(part, p, w * sizeof(uint16_t)));
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-#else
-  float part[Vec::size()] = {};
-  for (int64_t i = 0; i < w; ++i) part[i] = static_cast<float>(p[i]);
-  return Vec::loadu(part);
-#endif
-}
-
-// Storage a decode's inner loops read in place (load_row widens it); other half types are
-// converted a block at a time (rows_as_opmath).
-template <typename scalar_t>
-constexpr bool kReadInPlace =
-    std::is_same_v<scalar_t, at::opmath_type<scalar_t>> || std::is_same_v<scalar_t, c10::BFloat16>;
-
-// logits[r][t] = <q[r], k_t> for t < n and the R rows of a tile; kt [D, ldk] holds the n keys
-// transposed (column t = key t; ldk >= n rounded up to kLogitVecs vectors), so each FMA advances
-// W keys of one row: per feature, kLogitVecs key vectors and R broadcast query values feed
-// R * kLogitVecs independent FMA chains.
-template <int R, typename T>
-inline void block_logits(T* const* logits, const T* const* q, const T* kt, int64_t ldk, int64_t n, int64_t D) {
-  using Vec = at::vec::Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  constexpr int NV = kLogitVecs;
-  for (int64_t kb = 0; kb < n; kb += NV * W) {
-    Vec acc[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] = Vec(T(0));
-    const T* col = kt + kb;
-    for (int64_t d = 0; d < D; ++d) {
-      Vec k[NV];
-      for (int v = 0; v < NV; ++v) k[v] = Vec::loadu(col + d * ldk + v * W);
-      for (int r = 0; r < R; ++r) {
-        const Vec qd(q[r][d]);
-        for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(qd, k[v], acc[r][v]);
-      }
-    }
-    for (int v = 0; v < NV && kb + v * W < n; ++v) {
-      const int64_t w = std::min(W, n - kb - v * W);
-      for (int r = 0; r < R; ++r) acc[r][v].store(logits[r] + kb + v * W, w);
-    }
-  }
-}
-
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-// out[0:4] = the sums of the 8 lanes of a0 .. a3: three horizontal adds for four sums.
-inline void sums_of_four(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* out) {
-  const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
-}
-#endif
-
-// out[j] = the sum of a[j]'s lanes, for KS vectors.
-template <int KS, typename T>
-inline void lane_sums(at::vec::Vectorized<T>* a, T* out) {
-  using Vec = at::vec::Vectorized<T>;
-#if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float> && KS == 4) {
-    sums_of_four(a[0], a[1], a[2], a[3], out);
-    return;
-  }
-#elif defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float> && KS == 4) {  // each vector's halves added first
-    __m256 h[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m512 v = a[j];
-      h[j] = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    }
-    sums_of_four(h[0], h[1], h[2], h[3], out);
-    return;
-  }
-#endif
-  for (int j = 0; j < KS; ++j) out[j] = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, a[j]);
-}
-
-// logits[r][t + j] = <q[r], key t + j> for j < KS and the R rows of a tile, keys in place (row t
-// at rows + t * stride): R * KS independent FMA chains, each key vector loaded once for R rows.
-template <int R, int KS, typename T, typename S>
-inline void keys_logits(T* const* logits, const T* const* q, const S* rows, int64_t stride, int64_t t, int64_t D) {
-  using Vec = at::vec::Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  Vec acc[R][KS];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < KS; ++j) acc[r][j] = Vec(T(0));
-  const auto step = [&](int64_t d, int64_t w) {  // features d .. d + w - 1
-    Vec k[KS];
-    for (int j = 0; j < KS; ++j) k[j] = load_row(rows + (t + j) * stride + d, w);
-    for (int r = 0; r < R; ++r) {
-      const Vec qv = Vec::loadu(q[r] + d, w);
-      for (int j = 0; j < KS; ++j) acc[r][j] = at::vec::fmadd(qv, k[j], acc[r][j]);
-    }
-  };
-  int64_t d = 0;
-  for (; d + W <= D; d += W) step(d, W);
-  if (d < D) step(d, D - d);
-  T sums[KS];
-  for (int r = 0; r < R; ++r) {
-    lane_sums<KS>(acc[r], sums);
-    for (int j = 0; j < KS; ++j) logits[r][t + j] = sums[j];
-  }
-}
-
-// The same logits as block_logits from the keys in place: cheaper than transposing the block
-// when a task has few query rows (decodes), whose keys are each used only a few times. Four keys
-// at a time (two for 4-row tiles, to stay within 16 vector registers): one key at a time was a
-// single FMA chain per row, bound by its latency.
-template <int R, typename T, typename S>
-inline void row_logits(T* const* logits, const T* const* q, const S* rows, int64_t stride, int64_t n, int64_t D,
-                       const Ahead& ahead) {
-  constexpr int KS = R <= 3 ? 4 : 2;
-  int64_t t = 0;
-  for (; t + KS <= n; t += KS) {
-    for (int j = 0; j < KS; ++j) ahead.ask(t + j);
-    keys_logits<R, KS>(logits, q, rows, stride, t, D);
-  }
-  for (; t < n; ++t) {
-    ahead.ask(t);
-    keys_logits<R, 1>(logits, q, rows, stride, t, D);
-  }
-}
-
-// acc[r][0:D] += sum over t < n of p[r][t] * v_t for the R rows of a tile, where value row t is
-// blocks[t / bs] + (t % bs) * stride (a chunk of blocks, or one). Four vectors of each row's acc
-// stay in registers across all n value rows.
-template <int R, typename T, typename S>
-inline void block_values(T* const* acc, const T* const* p, const S* const* blocks, int64_t bs, int64_t stride,
-                         int64_t n, int64_t D, const Ahead& ahead) {
-  using Vec = at::vec::Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  // f(t, row) for every value row t < n, block by block.
-  const auto for_rows = [&](auto&& f) {
-    for (int64_t b = 0; b * bs < n; ++b) {
-      const S* rows = blocks[b];
-      const int64_t t0 = b * bs, nb = std::min(bs, n - t0);
-      for (int64_t t = 0; t < nb; ++t) f(t0 + t, rows + t * stride);
-    }
-  };
-  int64_t d = 0;
-  for (; d + 4 * W <= D; d += 4 * W) {
-    Vec a[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) a[r][v] = Vec::loadu(acc[r] + d + v * W);
-    for_rows([&](int64_t t, const S* row) {
-      if (d == 0) ahead.ask(t);
-      row += d;
-      const Vec v0 = load_row(row, W), v1 = load_row(row + W, W), v2 = load_row(row + 2 * W, W),
-                v3 = load_row(row + 3 * W, W);
-      for (int r = 0; r < R; ++r) {
-        const Vec pt(p[r][t]);
-        a[r][0] = at::vec::fmadd(pt, v0, a[r][0]);
-        a[r][1] = at::vec::fmadd(pt, v1, a[r][1]);
-        a[r][2] = at::vec::fmadd(pt, v2, a[r][2]);
-        a[r][3] = at::vec::fmadd(pt, v3, a[r][3]);
-      }
-    });
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) a[r][v].store(acc[r] + d + v * W);
-  }
-  for (; d < D; d += W) {
-    const int64_t w = std::min(W, D - d);
-    Vec a[R];
-    for (int r = 0; r < R; ++r) a[r] = Vec::loadu(acc[r] + d, w);
-    for_rows([&](int64_t t, const S* row) {
-      if (d == 0) ahead.ask(t);
-      const Vec v = load_row(row + d, w);
-      for (int r = 0; r < R; ++r) a[r] = at::vec::fmadd(Vec(p[r][t]), v, a[r]);
-    });
-    for (int r = 0; r < R; ++r) a[r].store(acc[r] + d, w);
-  }
-}
-
-// In place: row[0:n] = exp(row - max(row)) for n >= 1; returns {max(row), sum of the result}.
-// The exp and the sum share one pass over the row. Four running maxima: one was a chain of
-// dependent instructions that bound the loop.
-template <typename opmath_t>
-inline std::pair<opmath_t, opmath_t> softmax_numerators(opmath_t* row, int64_t n) {
-  using Vec = at::vec::Vectorized<opmath_t>;
-  constexpr int64_t W = Vec::size();
-  const auto max_of = [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); };
-  Vec m[4];
-  for (auto& v : m) v = Vec(-std::numeric_limits<opmath_t>::infinity());
-  int64_t t = 0;
-  for (; t + 4 * W <= n; t += 4 * W)
-    for (int u = 0; u < 4; ++u) m[u] = max_of(m[u], Vec::loadu(row + t + u * W));
-  for (; t + W <= n; t += W) m[0] = max_of(m[0], Vec::loadu(row + t));
-  if (t < n) m[1] = max_of(m[1], Vec::set(m[1], Vec::loadu(row + t, n - t), n - t));
-  const opmath_t max_value =
-      at::vec::vec_reduce_all<opmath_t>(max_of, max_of(max_of(m[0], m[1]), max_of(m[2], m[3])));
-  const Vec max(max_value);
-  Vec sum(opmath_t(0));
-  for (t = 0; t < n; t += W) {
-    const int64_t w = std::min(W, n - t);
-    const Vec e = Vec::set(Vec(opmath_t(0)), (Vec::loadu(row + t, w) - max).exp_u20(), w);
-    e.store(row + t, w);
-    sum = sum + e;
-  }
-  return {max_value, at::vec::vec_reduce_all<opmath_t>([](const Vec& a, const Vec& b) { return a + b; }, sum)};
-}
-
-// In place: row[0:n] = cap * tanh(row / cap), the logit soft cap (Gemma 2).
-template <typename opmath_t>
-inline void soft_cap_logits(opmath_t* row, int64_t n, opmath_t cap) {
-  using Vec = at::vec::Vectorized<opmath_t>;
-  constexpr int64_t W = Vec::size();
-  const Vec c(cap);
-  int64_t t = 0;
-  for (; t + W <= n; t += W) (c * (Vec::loadu(row + t) / c).tanh()).store(row + t);
-  if (t < n) (c * (Vec::loadu(row + t, n - t) / c).tanh()).store(row + t, n - t);
-}
 
 // What the layer adds to plain causal attention (see the header): 0, 0 and nullptr for none.
 struct Variant {

@@ -2,8 +2,8 @@
 oracle: decodes and short prefills on a cached prefix (an aLoRA's few tokens over a long
 conversation) with shuffled block ids and noise in unused blocks, lengths of 1 and exact
 multiples of the block size, query runs and long contexts split across tasks (and merged),
-GQA ratios 1-4, head sizes 16/32/40/64/128, block sizes 8/12/16/80, fp32 (tight) and bf16/fp16
-(loose, against fp32 on the same rounded inputs); sequences above max_query_len left alone;
+GQA ratios 1-4, head sizes 16/32/40/64/96/128, block sizes 5/8/12/16/80, fp32 (tight) and bf16/fp16
+(loose, against fp32 on the same rounded inputs; bf16 prompts through the AVX512-BF16 tiles too); sequences above max_query_len left alone;
 results bitwise independent of threads and of the rest of the batch; mixed batches through
 the backend; and greedy generation equal to VLLM_USE_TORCH_REFERENCE_OPS=1.
 
@@ -124,6 +124,24 @@ def test_sequences_above_max_query_len_are_not_written():
             torch.testing.assert_close(out[rows], ref[rows], atol=2e-5, rtol=2e-5)
         else:
             assert torch.all(out[rows] == 7.0), f"sequence {i} ({q_len} tokens) was written"
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 2, 32, 80), (4, 2, 64, 5), (6, 2, 40, 12), (3, 1, 96, 8)],
+    ids=["h64", "h128", "block80", "block5", "h40", "h96"],
+)
+def test_bf16_prompts_match_fp32_on_the_same_inputs(num_heads, num_kv_heads, head_size, block_size):
+    """Prompts and chunks in bf16 (on AVX512-BF16 CPUs the bf16 dot-product tiles where the head
+    size is a multiple of 32: odd blocks, whose key pairs straddle two blocks, and odd chunk
+    ends; the fp32 tiles for head size 40) against fp32 attention over the same rounded inputs:
+    the probabilities' bf16 rounding and the output's are all the error allowed."""
+    query, key, value, cache, meta = make_batch(SHORT, num_heads, num_kv_heads, head_size, block_size,
+                                                dtype=torch.bfloat16, seed=head_size + block_size)
+    scale = head_size**-0.5
+    ref, _ = reference(query.float(), key.float(), value.float(), cache.float(), meta, scale)
+    torch_ref.store_kv(key, value, cache, meta.slot_mapping)
+    torch.testing.assert_close(run_native(query, cache, meta, scale).float(), ref, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -18,8 +18,10 @@
  *   Only sequences with q <= max_query_len are computed; the rows of the others are not
  *   written (the caller computes them another way). Storage may be fp32, bf16 or fp16
  *   (query, cache and out share it); all arithmetic is in fp32 (at::opmath_type), rounded
- *   to the storage type only when writing out. exp is at::vec's exp_u20 (within 20 ulp of
- *   fp32 exp, far below any test tolerance).
+ *   to the storage type only when writing out, but for bf16 prompts on CPUs with AVX512-BF16,
+ *   whose value sums take the probabilities rounded to bf16, as SDPA does for bf16 on the CPU
+ *   (attention_bf16_tiles.h). exp is at::vec's exp_u20 (within 20 ulp of fp32 exp, far below
+ *   any test tolerance).
  *
  * Shapes:
  *   out, query       [>= num_tokens, H, D]      any token/head strides, unit stride along D
@@ -53,6 +55,7 @@
  */
 
 #include "attention_tiles.h"  // first: it sets the vector width at::vec builds for
+#include "attention_bf16_tiles.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -63,6 +66,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -162,8 +166,9 @@ inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, co
 // sum of exp(logit - max) over the task's keys (-inf and 0 when the row attends to none of them).
 // kTranspose: the many-row path (keys transposed a chunk at a time) or the decode path (keys and
 // values read in place, a block at a time); one function each, so that each path's inner loops
-// are compiled, and inlined, on their own.
-template <typename scalar_t, bool kTranspose>
+// are compiled, and inlined, on their own. kDot (bf16, many rows, where kHasBf16Dot): the tiles
+// of attention_bf16_tiles.h, on the bf16 rows as stored.
+template <typename scalar_t, bool kTranspose, bool kDot = false>
 void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, int64_t q_s1, const scalar_t* k_cache,
                        const scalar_t* v_cache, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                        const int32_t* qsl, int64_t G, int64_t D, int64_t bs, int64_t Hkv, int64_t keys_per_task,
@@ -180,6 +185,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   // Keys read at a time: a chunk of blocks where the keys are transposed, else one block.
   const int64_t chunk = kTranspose ? (kChunkKeys + bs - 1) / bs * bs : bs;
   const int64_t ldk = (chunk + kLogitVecs * W - 1) / (kLogitVecs * W) * (kLogitVecs * W);  // transposed row length
+  const int64_t P = D / 2, chunk_pairs = (chunk + 1) / 2;  // kDot: feature pairs of a row, key pairs of a chunk
 
   // Per-thread scratch, reused by every task. Row m is token j0 + m / G, query head kv * G + m % G.
   const int64_t max_rows = kMaxTokensPerTask * G;
@@ -190,11 +196,21 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   // [2, rows]: the keys of the range each row attends to are lo[m] .. hi[m] - 1 (causal, window)
   int64_t* lo = thread_scratch<int64_t>(2 * max_rows);
   int64_t* hi = lo + max_rows;
+  // kDot: the rows' queries as stored [rows, P], the chunk's keys [P, ldk] and values [chunk_pairs,
+  // D] by pairs, the rows' probabilities of the chunk [rows, chunk_pairs] (attention_bf16_tiles.h).
+  uint32_t* q2 = kDot ? thread_scratch<uint32_t>(max_rows * P + P * ldk + chunk_pairs * D + max_rows * chunk_pairs)
+                      : nullptr;
+  uint32_t* kt2 = q2 + max_rows * P;
+  uint32_t* vt2 = kt2 + P * ldk;
+  uint32_t* p2 = vt2 + chunk_pairs * D;
 
   for (int64_t m = 0; m < M; ++m) {
     const int64_t j = task.j0 + m / G, h = task.kv * G + m % G;
     const scalar_t* src = q_base + (qsl[task.seq] + j) * q_s0 + h * q_s1;
-    for (int64_t d = 0; d < D; ++d) q[m * D + d] = static_cast<opmath_t>(src[d]) * scale;
+    if constexpr (kDot)
+      std::memcpy(q2 + m * P, src, D * sizeof(scalar_t));  // unscaled: the tiles scale the logits
+    else
+      for (int64_t d = 0; d < D; ++d) q[m * D + d] = static_cast<opmath_t>(src[d]) * scale;
     const int64_t p = L - q_len + j;
     hi[m] = std::clamp<int64_t>(p + 1 - task.k0, 0, span);
     lo[m] = std::clamp<int64_t>(first_visible(variant, p) - task.k0, 0, hi[m]);
@@ -220,7 +236,15 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
     const scalar_t* block = nullptr;
     int64_t stride = token_stride;
     const opmath_t* k = nullptr;
-    if constexpr (kTranspose) {
+    if constexpr (kDot) {
+      for (int64_t b = 0; b * bs < n; ++b) {  // each block's pairs, as 32-bit units, transposed into the chunk
+        const int64_t nb = std::min(bs, n - b * bs);
+        const scalar_t* block = block_at(k_head, start + b * bs, next);
+        for (int64_t t = 0; t < next.n; ++t) next.ask(t);
+        at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(block), token_stride / 2,
+                                      reinterpret_cast<float*>(kt2 + b * bs), ldk, nb, P);
+      }
+    } else if constexpr (kTranspose) {
       for (int64_t b = 0; b * bs < n; ++b) {  // each block as opmath rows, transposed into the chunk
         const int64_t nb = std::min(bs, n - b * bs);
         k = rows_as_opmath(block_at(k_head, start + b * bs, next), nb, token_stride, D, rows, stride);
@@ -236,11 +260,15 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
       constexpr int R = decltype(tile)::value;
       opmath_t* lp[R];
       const opmath_t* qp[R];
+      const uint32_t* q2p[R];
       for (int r = 0; r < R; ++r) {
         lp[r] = logits + (m + r) * keys_per_task + start;
         qp[r] = q + (m + r) * D;
+        q2p[r] = q2 + (m + r) * P;
       }
-      if constexpr (kTranspose) {
+      if constexpr (kDot) {
+        bf16_block_logits<R>(lp, q2p, kt2, ldk, n, P, scale);
+      } else if constexpr (kTranspose) {
         block_logits<R>(lp, qp, kt, ldk, n, D);
       } else {
         if constexpr (kReadInPlace<scalar_t>)
@@ -284,15 +312,26 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
                                       stride);
     }
     if constexpr (kTranspose) next = Ahead{};  // asked for above
+    if constexpr (kDot) {  // the chunk's values and each row's probabilities by pairs
+      const auto row = [&](int64_t t) {
+        return reinterpret_cast<const uint16_t*>(in_place[t / bs] + (t % bs) * token_stride);
+      };
+      bf16_interleave_values(row, n, D, vt2);
+      for (int64_t m = 0; m < M; ++m) bf16_pack_pairs(logits + m * keys_per_task + start, n, p2 + m * chunk_pairs);
+    }
     for_row_tiles<kTranspose ? kValueRows : kRowTile>(M, [&](auto tile, int64_t m) {
       constexpr int R = decltype(tile)::value;
       opmath_t* ap[R];
       const opmath_t* pp[R];
+      const uint32_t* p2p[R];
       for (int r = 0; r < R; ++r) {
         ap[r] = part_rows + (m + r) * (D + 2);
         pp[r] = logits + (m + r) * keys_per_task + start;
+        p2p[r] = p2 + (m + r) * chunk_pairs;
       }
-      if constexpr (kReadInPlace<scalar_t>)
+      if constexpr (kDot)
+        bf16_block_values<R>(ap, p2p, vt2, (n + 1) / 2, D);
+      else if constexpr (kReadInPlace<scalar_t>)
         block_values<R>(ap, pp, in_place, bs, stride, n, D, m == 0 ? next : Ahead{});
       else
         block_values<R>(ap, pp, converted, bs, stride, n, D, m == 0 ? next : Ahead{});
@@ -360,7 +399,10 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   auto run_task = [&](int64_t t, opmath_t* rows) {
     // Decided per sequence, not per task, so a row's arithmetic never depends on how tasks are split.
     const bool transpose = (qsl[tasks[t].seq + 1] - qsl[tasks[t].seq]) * G >= kTransposeMinRows;
-    (transpose ? partial_attention<scalar_t, true> : partial_attention<scalar_t, false>)(
+    auto* attend = transpose ? partial_attention<scalar_t, true> : partial_attention<scalar_t, false>;
+    if constexpr (kHasBf16Dot && std::is_same_v<scalar_t, c10::BFloat16>)
+      if (transpose && bf16_dot_head_size(D)) attend = partial_attention<scalar_t, true, true>;
+    attend(
         tasks[t], q_base, query.stride(0), query.stride(1), k_cache, v_cache, tables, block_table.stride(0), seq_lens,
         qsl, G, D, bs, Hkv, keys_per_task, op_scale, variant, rows);
   };

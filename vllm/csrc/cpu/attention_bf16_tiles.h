@@ -1,0 +1,154 @@
+/*
+ * Prompt tiles of the CPU attention kernel for bf16 caches on CPUs with AVX512-BF16: vdpbf16ps
+ * multiplies two bf16 pairs per fp32 lane and adds both products to it, so one instruction does
+ * the work of two fp32 FMAs and the operands are read as stored (half the bytes, no widening).
+ *
+ * Semantics (paged_attention.cpp's, with two differences, both as torch's SDPA has them for bf16
+ * on the CPU):
+ *   logits  s = scale * <q, k>: each pair's two products (exact in fp32) are added to the fp32
+ *           sum one after the other, rounding to nearest even; bf16 subnormal inputs count as 0
+ *           and subnormal sums are flushed to 0 (the instruction's DAZ/FTZ).
+ *   values  out += p_t * v_t with the probabilities p rounded to bf16 (nearest even), summed in
+ *           fp32 like the logits.
+ * Everything else (softmax, merge) stays fp32.
+ *
+ * Layout: a bf16 row of D features is read as D/2 uint32 "pairs" (features 2i, 2i + 1 in the low
+ * and high halves). Keys are transposed by pair, [D/2, keys]; values are interleaved by key pair,
+ * [keys/2, D] (value rows 2i and 2i + 1 side by side, feature by feature); probabilities are
+ * packed by key pair. Needs D % 32 == 0 (bf16_dot_head_size).
+ */
+
+#pragma once
+
+#include "attention_tiles.h"
+
+#include <cstdint>
+
+namespace vllm_attention_tiles {
+
+// Head sizes the bf16 tiles take: whole 64-byte halves of a row per interleave step.
+inline bool bf16_dot_head_size(int64_t D) { return D % 32 == 0; }
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// Whether this build has the tiles (the CPU it is built for has AVX512-BF16).
+constexpr bool kHasBf16Dot = true;
+
+inline __m512bh as_bf16_pairs(__m512i v) { return (__m512bh)v; }
+
+// logits[r][t] = scale * <q[r], k_t> for t < n and the R rows of a tile. q2[r]: row r's P = D/2
+// feature pairs; kt2 [P, ldk]: the keys' pairs transposed (column t = key t; ldk >= n rounded up
+// to kLogitVecs vectors).
+template <int R>
+inline void bf16_block_logits(float* const* logits, const uint32_t* const* q2, const uint32_t* kt2, int64_t ldk,
+                              int64_t n, int64_t P, float scale) {
+  static_assert(kLogitVecs == 2, "two key vectors per tile row");
+  constexpr int64_t W = 16;
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t kb = 0; kb < n; kb += 2 * W) {
+    __m512 acc0[R], acc1[R];  // keys kb .. kb + 15 and kb + 16 .. kb + 31
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const uint32_t* col = kt2 + kb;
+    for (int64_t p = 0; p < P; ++p) {
+      const __m512bh k0 = as_bf16_pairs(_mm512_loadu_si512(col + p * ldk));
+      const __m512bh k1 = as_bf16_pairs(_mm512_loadu_si512(col + p * ldk + W));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qp = as_bf16_pairs(_mm512_set1_epi32(static_cast<int>(q2[r][p])));
+        acc0[r] = _mm512_dpbf16_ps(acc0[r], qp, k0);
+        acc1[r] = _mm512_dpbf16_ps(acc1[r], qp, k1);
+      }
+    }
+    for (int v = 0; v < 2 && kb + v * W < n; ++v) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << std::min(W, n - kb - v * W)) - 1);
+      for (int r = 0; r < R; ++r)
+        _mm512_mask_storeu_ps(logits[r] + kb + v * W, mask, _mm512_mul_ps(v == 0 ? acc0[r] : acc1[r], s));
+    }
+  }
+}
+
+// acc[r][0:D] += sum over key pairs i < pairs of the two keys' p[r] * v, for the R rows of a tile.
+// p2[r]: row r's probabilities packed by key pair; vt2 [pairs, D]: the value rows interleaved by
+// key pair. Four vectors of each row's acc stay in registers across all the pairs.
+template <int R>
+inline void bf16_block_values(float* const* acc, const uint32_t* const* p2, const uint32_t* vt2, int64_t pairs,
+                              int64_t D) {
+  constexpr int64_t W = 16;
+  int64_t d = 0;
+  for (; d + 4 * W <= D; d += 4 * W) {
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_loadu_ps(acc[r] + d + j * W);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const uint32_t* row = vt2 + i * D + d;
+      __m512i v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(row + j * W);
+      for (int r = 0; r < R; ++r) {
+        const __m512i pp = _mm512_set1_epi32(static_cast<int>(p2[r][i]));
+        for (int j = 0; j < 4; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], as_bf16_pairs(pp), as_bf16_pairs(v[j]));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc[r] + d + j * W, a[r][j]);
+  }
+  for (; d < D; d += W) {  // D % 32 == 0: whole vectors
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_loadu_ps(acc[r] + d);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const __m512bh v = as_bf16_pairs(_mm512_loadu_si512(vt2 + i * D + d));
+      for (int r = 0; r < R; ++r)
+        a[r] = _mm512_dpbf16_ps(a[r], as_bf16_pairs(_mm512_set1_epi32(static_cast<int>(p2[r][i]))), v);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[r] + d, a[r]);
+  }
+}
+
+// out[0 : ceil(n/2)] = p[0:n] rounded to bf16 (nearest even) and packed by pairs, an odd last
+// one paired with 0.
+inline void bf16_pack_pairs(const float* p, int64_t n, uint32_t* out) {
+  for (int64_t t = 0; t < n; t += 32) {
+    const int64_t w = std::min<int64_t>(32, n - t);
+    const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << std::min<int64_t>(w, 16)) - 1), p + t);
+    const __m512 hi = w > 16 ? _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (w - 16)) - 1), p + t + 16)
+                             : _mm512_setzero_ps();
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    _mm512_mask_storeu_epi32(out + t / 2, static_cast<__mmask16>((1u << ((w + 1) / 2)) - 1), packed);
+  }
+}
+
+// vt2[i] [D] = value rows 2i and 2i + 1 (row(t): key t's D bf16 values) interleaved feature by
+// feature, for i < ceil(n/2); an odd last row is paired with zeros.
+template <typename RowOf>
+inline void bf16_interleave_values(const RowOf& row, int64_t n, int64_t D, uint32_t* vt2) {
+  // Output lane k of a step takes feature k/2 (+16 for the high step) of the even (k even) or odd
+  // row: vpermt2w indices, where 32 + i picks the second operand's lane i.
+  alignas(64) static const uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t i = 0; 2 * i < n; ++i) {
+    const uint16_t* even = row(2 * i);
+    const uint16_t* odd = 2 * i + 1 < n ? row(2 * i + 1) : nullptr;
+    uint32_t* dst = vt2 + i * D;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = _mm512_loadu_si512(even + d);
+      const __m512i b = odd ? _mm512_loadu_si512(odd + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
+}
+
+#else
+constexpr bool kHasBf16Dot = false;
+// Declared only, for the kernel's `if constexpr (kHasBf16Dot)` branches to name: never called.
+template <int R>
+void bf16_block_logits(float* const* logits, const uint32_t* const* q2, const uint32_t* kt2, int64_t ldk, int64_t n,
+                       int64_t P, float scale);
+template <int R>
+void bf16_block_values(float* const* acc, const uint32_t* const* p2, const uint32_t* vt2, int64_t pairs, int64_t D);
+void bf16_pack_pairs(const float* p, int64_t n, uint32_t* out);
+template <typename RowOf>
+void bf16_interleave_values(const RowOf& row, int64_t n, int64_t D, uint32_t* vt2);
+#endif
+
+}  // namespace vllm_attention_tiles

@@ -46,6 +46,11 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def cpu_has_avx512_bf16() -> bool:
+    """AVX512-BF16 (vdpbf16ps): what the CPU kernels' bf16 dot-product tiles need."""
+    return torch.cpu._is_avx512_bf16_supported()
+
+
 def cpu_has_avx512() -> bool:
     """Whether torch's CPU kernels run AVX-512 here (its dispatch capability; ATEN_CPU_CAPABILITY
     lowers it): where the engine's measured CPU choices differ from AVX2 machines."""

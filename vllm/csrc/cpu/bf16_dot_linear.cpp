@@ -21,9 +21,11 @@
  *
  * Tiles: kWRows weight rows x kXRows rows of x, 16 accumulators in the 32 zmm registers, their
  * lanes summed together (sums_of_sixteen); a tile of weight rows (4.6-12 KB on SmolLM2's shapes,
- * 32 KB on Granite-8B's) is read from memory once, by the first group of rows of x, which asks
- * for the tile two ahead as it goes, and from L1 by the others. Work split: at::parallel_for over
- * tiles of weight rows, at least ~64 KB of weight per task.
+ * 32 KB on Granite-8B's) is read from memory once, by the first group of rows of x, and from L1
+ * by the others. (Software prefetch of the tiles ahead measured no faster: at 8-16 rows the
+ * kernel is bound by its arithmetic, and with the weights beyond cache it still takes 1.7x its
+ * in-cache time: the weight stream and the arithmetic overlap poorly, the next thing to fix.)
+ * Work split: at::parallel_for over tiles of weight rows, at least ~64 KB of weight per task.
  */
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512BF16__)
@@ -40,7 +42,6 @@
 #include <optional>
 
 #include "bf16_bits.h"
-#include "prefetch.h"
 
 namespace {
 
@@ -82,17 +83,13 @@ VLLM_INLINE __m512 sums_of_sixteen(const __m512* v) {
   return add_pairs<_MM_SHUFFLE(2, 0, 2, 0) | (_MM_SHUFFLE(3, 1, 3, 1) << 8)>(x[0], x[1]);
 }
 
-// out rows m0 .. m0 + R - 1, columns n0 .. n0 + C - 1 (R, C <= 4). `ahead`: the first of kWRows
-// weight rows the steps ask for, a line of each per step. _mm_prefetch, not prefetch.h's asm (around
-// which GCC kept the accumulators in memory: 2x slower), and unconditional (GCC may delete a hint
-// under a condition).
+// out rows m0 .. m0 + R - 1, columns n0 .. n0 + C - 1 (R, C <= 4).
 template <int R, int C>
 void tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t N, int64_t K,
-          int64_t m0, int64_t n0, const uint16_t* ahead) {
+          int64_t m0, int64_t n0) {
   __m512 acc[16];  // acc[r + 4 c]: the lanes of out[m0 + r, n0 + c] (the sums' lane order)
   for (auto& a : acc) a = _mm512_setzero_ps();
   const auto step = [&](int64_t k, auto load) {
-    for (int c = 0; c < kWRows; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + c * K + k), _MM_HINT_T0);
     __m512bh xv[R];
     for (int r = 0; r < R; ++r) xv[r] = load(x + (m0 + r) * K, k);
     for (int c = 0; c < C; ++c) {
@@ -114,20 +111,17 @@ void tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* 
   for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n0, rounded + 4 * r, C * sizeof(uint16_t));
 }
 
-// Every row of x against weight rows n0 .. n0 + C - 1: kXRows rows at a time, then the rest. The
-// first group of rows reads the weights from memory and asks for the tile two ahead as it goes
-// (the others ask again for their own, in cache): the hardware prefetchers follow a tile's short
-// rows (a few lines each, side by side) poorly.
+// Every row of x against weight rows n0 .. n0 + C - 1: kXRows rows at a time, then the rest (the
+// first group reads the weights from memory, the others from L1).
 template <int C>
 void weight_tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M, int64_t N,
                  int64_t K, int64_t n0) {
-  const uint16_t* next = w + std::max<int64_t>(0, std::min(n0 + C + kWRows, N - kWRows)) * K;
   int64_t m = 0;
-  for (; m + kXRows <= M; m += kXRows) tile<kXRows, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w);
+  for (; m + kXRows <= M; m += kXRows) tile<kXRows, C>(x, w, bias, out, N, K, m, n0);
   switch (M - m) {
-    case 3: tile<3, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w); break;
-    case 2: tile<2, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w); break;
-    case 1: tile<1, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w); break;
+    case 3: tile<3, C>(x, w, bias, out, N, K, m, n0); break;
+    case 2: tile<2, C>(x, w, bias, out, N, K, m, n0); break;
+    case 1: tile<1, C>(x, w, bias, out, N, K, m, n0); break;
     default: break;
   }
 }

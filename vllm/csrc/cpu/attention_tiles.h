@@ -135,13 +135,13 @@ inline at::vec::Vectorized<float> load_row(const c10::BFloat16* p, int64_t w) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m256i bits = w == Vec::size() ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                                         : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << w) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return vllm_cpu_bits::widen16(bits);
 #elif defined(CPU_CAPABILITY_AVX2)
   uint16_t part[8] = {};
   const uint16_t* src = reinterpret_cast<const uint16_t*>(p);
   if (w < Vec::size()) src = static_cast<const uint16_t*>(std::memcpy(part, p, w * sizeof(uint16_t)));
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  return vllm_cpu_bits::widen8(bits);
 #else
   float part[Vec::size()] = {};
   for (int64_t i = 0; i < w; ++i) part[i] = static_cast<float>(p[i]);

@@ -14,6 +14,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace vllm_cpu_bits {
 
 inline float widen(float v) { return v; }
@@ -40,6 +44,16 @@ inline uint16_t narrow<uint16_t>(float v) {
   const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
   return v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
 }
+
+#if defined(__AVX2__)
+// 8 bf16 (their bits) -> the 8 fp32 of the same values, in registers: zero-extended to 32 bits and
+// shifted into the high half (exact, as `widen`).
+inline __m256 widen8(__m128i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)); }
+#endif
+#if defined(__AVX512F__)
+// The same for 16.
+inline __m512 widen16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+#endif
 
 // The element type a kernel works on: fp32 as is, bf16 as its bits.
 template <typename T>

@@ -85,9 +85,8 @@ inline float tail(const W* w, const float* x, int64_t k_begin, int64_t K, float 
 
 #ifdef VLLM_DENSE_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32: zero-extend to 32 bits, shift into the high half
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32, exactly
+  return vllm_cpu_bits::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // The register a pass accumulates in, and how a weight row and x fill it. Every lane sums one
@@ -122,7 +121,7 @@ struct Zmm {
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
     const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + K));
     const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
+    return vllm_cpu_bits::widen16(both);
   }
   static void store(float* lanes, V v) { _mm512_storeu_ps(lanes, v); }
 };

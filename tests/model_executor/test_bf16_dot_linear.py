@@ -104,3 +104,16 @@ def test_dense_linear_dispatch_on_rows(monkeypatch):
     x = _inputs(8, 24, 96, seed=8)[0]
     assert torch.equal(d.dense_linear(x, weight, b), F.linear(x, weight, b))
     assert calls == [gemv_rows + 1, d.BF16_DOT_MAX_ROWS]
+
+
+def test_kernel_is_built_with_a_bf16_model(llama_dir, monkeypatch):
+    """The model loader builds (or loads) the kernel for a bf16 model, so no request pays for it."""
+    from tests.model_executor.configs import model_config_for
+    from vllm.model_executor import model_loader
+
+    calls = []
+    monkeypatch.setattr(d, "bf16_dot_available", lambda: calls.append(1) or True)
+    model_loader.get_model(model_config_for(llama_dir), torch.device("cpu"))
+    assert calls == []  # fp32: not needed
+    model_loader.get_model(model_config_for(llama_dir, dtype=torch.bfloat16), torch.device("cpu"))
+    assert calls == [1]

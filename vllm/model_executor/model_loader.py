@@ -25,7 +25,7 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.gguf_loader import iterate_gguf_weights
 from vllm.model_executor.hf_files import find_weight_files, iterate_weights
-from vllm.model_executor.layers import decode_layer, quantization
+from vllm.model_executor.layers import decode_layer, dense_gemv, quantization
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.vocab_embedding import LMHead
@@ -54,6 +54,8 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         quantization.native_available()  # build the kernel now, not on the first request
     if device.type == "cpu" and any(hasattr(m, "native_decode_allowed") for m in model.modules()):
         decode_layer.native_available()  # the decoder-layer kernel too (layers/decode_layer.py)
+    if device.type == "cpu" and model_config.dtype == torch.bfloat16:
+        dense_gemv.bf16_dot_available()  # and bf16's mid-row linear kernel, where the CPU has AVX512-BF16
     return model.eval()
 
 

@@ -48,7 +48,7 @@ def cpu_has_native_bf16() -> bool:
 
 def cpu_has_avx512_bf16() -> bool:
     """AVX512-BF16 (vdpbf16ps): what the CPU kernels' bf16 dot-product tiles need."""
-    return torch.cpu._is_avx512_bf16_supported()
+    return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
 
 
 def cpu_has_avx512() -> bool:

@@ -12,9 +12,9 @@ When it runs (`dense_linear`): on the CPU, for at most `native_max_rows(weight.d
 sooner), an fp32 or bf16 weight stored plain row-major [N, K] (not oneDNN-packed), once the
 kernel is built, and not under VLLM_USE_TORCH_REFERENCE_OPS. bf16 rows past those, up to
 BF16_DOT_MAX_ROWS, run vllm/csrc/cpu/bf16_dot_linear.cpp where the CPU has AVX512-BF16
-(`uses_bf16_dot`: bf16 x and weight, bf16 products summed in fp32 by vdpbf16ps, bf16 out). Wherever the kernel is built, fp32 and bf16 weights stay
-row-major on the CPU and serve every path (platforms.py `use_onednn_linear`). Many rows (prefills)
-run `many_rows_linear`: fp32 on oneDNN reading the plain weight where the CPU has AVX-512 (MKL's
+(`uses_bf16_dot`: bf16 x and weight, bf16 products summed in fp32 by vdpbf16ps, bf16 out).
+Wherever the kernel is built, fp32 and bf16 weights stay row-major on the CPU and serve every
+path (platforms.py `use_onednn_linear`). Many rows (prefills) run `many_rows_linear`: fp32 on oneDNN reading the plain weight where the CPU has AVX-512 (MKL's
 sgemm there ran 2.2x slower: it keeps to AVX2 on AMD), F.linear elsewhere (MKL, as fast as oneDNN
 on AVX2 CPUs); bf16 F.linear (oneDNN's bf16 matmul) where the CPU has native bf16, and where it
 does not (F.linear would emulate bf16 element by element) fp32 products on weight tiles widened
@@ -50,9 +50,11 @@ NATIVE_MAX_ROWS = 16
 # the CPU has AVX512-BF16, rather than oneDNN's bf16 matmul (which reorders the plain weight on
 # every call). Measured one thread on an AVX-512 EPYC, the linears of SmolLM2's 30 layers with
 # weights beyond cache: 5 / 8 / 16 rows 10.3 / 13.0 / 18.4 ms against oneDNN's 16.4 / 18.1 / 21.7
-# and the GEMV's 17.2 / 20.4 / 33.1; even with oneDNN at 32 (30 ms each). (From 3 rows it also
+# and the GEMV's 17.2 / 20.4 / 33.1; even with oneDNN at 32 (30 ms each). (The host's memory
+# bandwidth swings with its neighbours: in later runs with the kernel's prefetch 8 / 16 rows took
+# 12.4-13.7 / 17.3-19.4 ms where the kernel without it took 20-23 / 23-24.) From 3 rows it also
 # beats the GEMV, 9.6 ms against 11.3, but up to native_max_rows the GEMV's rows run the native
-# decoder layers, which save more Python than that.)
+# decoder layers, which save more Python than that.
 BF16_DOT_MAX_ROWS = 32
 WIDEN_TILE_ROWS = 1024  # output rows of a bf16 weight widened to fp32 at once (many-row path)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)

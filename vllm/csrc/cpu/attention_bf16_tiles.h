@@ -33,7 +33,7 @@ inline bool bf16_dot_head_size(int64_t D) { return D % 32 == 0; }
 // Whether this build has the tiles (the CPU it is built for has AVX512-BF16).
 constexpr bool kHasBf16Dot = true;
 
-inline __m512bh as_bf16_pairs(__m512i v) { return (__m512bh)v; }
+using vllm_cpu_bits::as_bf16_pairs;
 
 // logits[r][t] = scale * <q[r], k_t> for t < n and the R rows of a tile. q2[r]: row r's P = D/2
 // feature pairs; kt2 [P, ldk]: the keys' pairs transposed (column t = key t; ldk >= n rounded up

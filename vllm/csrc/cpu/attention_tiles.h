@@ -37,6 +37,7 @@
 
 #include "bf16_bits.h"
 #include "prefetch.h"
+#include "row_tiles.h"
 
 namespace vllm_attention_tiles {
 
@@ -55,28 +56,8 @@ constexpr int kLogitRows = 4;
 constexpr int kValueRows = 4;
 #endif
 constexpr int kLogitVecs = 2;
-template <int R>
-using RowTile = std::integral_constant<int, R>;
 
-// f(RowTile<rest>{}, m) for the last rows of for_row_tiles, 0 < rest <= R.
-template <int R, typename F>
-inline void last_row_tile(int64_t rest, int64_t m, F& f) {
-  if constexpr (R > 0) {
-    if (rest == R)
-      f(RowTile<R>{}, m);
-    else
-      last_row_tile<R - 1>(rest, m, f);
-  }
-}
-
-// Calls f(RowTile<r>{}, m) for consecutive tiles of rows m .. m + r - 1 covering [0, M), r = R
-// but for the last tile.
-template <int R, typename F>
-inline void for_row_tiles(int64_t M, F&& f) {
-  int64_t m = 0;
-  for (; m + R <= M; m += R) f(RowTile<R>{}, m);
-  if (m < M) last_row_tile<R - 1>(M - m, m, f);
-}
+using vllm_cpu_bits::for_row_tiles;
 
 // n rows of D values, `stride` apart, as opmath values: the cache memory itself when it is
 // stored in opmath type (no copy), else a converted copy in `scratch` [n, D]. Converting a

@@ -54,6 +54,10 @@ inline __m256 widen8(__m128i bits) { return _mm256_castsi256_ps(_mm256_slli_epi3
 // The same for 16.
 inline __m512 widen16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
 #endif
+#if defined(__AVX512BF16__)
+// 32 bf16 in a register as the 16 pairs vdpbf16ps multiplies (the same bits).
+inline __m512bh as_bf16_pairs(__m512i bits) { return (__m512bh)bits; }
+#endif
 
 // The element type a kernel works on: fp32 as is, bf16 as its bits.
 template <typename T>

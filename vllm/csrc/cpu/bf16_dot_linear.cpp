@@ -43,6 +43,7 @@
 #include <optional>
 
 #include "bf16_bits.h"
+#include "row_tiles.h"
 
 namespace {
 
@@ -57,9 +58,12 @@ constexpr int64_t kTaskBytes = 64 * 1024;  // least weight bytes per parallel ta
 
 // 32 bf16 features from k on, as 16 pairs: all of them, or (the row's last step) those before K
 // and zeros.
-VLLM_INLINE __m512bh load_pairs(const uint16_t* row, int64_t k) { return (__m512bh)_mm512_loadu_si512(row + k); }
+VLLM_INLINE __m512bh load_pairs(const uint16_t* row, int64_t k) {
+  return vllm_cpu_bits::as_bf16_pairs(_mm512_loadu_si512(row + k));
+}
 VLLM_INLINE __m512bh load_last_pairs(const uint16_t* row, int64_t k, int64_t K) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << (K - k)) - 1), row + k);
+  return vllm_cpu_bits::as_bf16_pairs(
+      _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << (K - k)) - 1), row + k));
 }
 
 // One step of the lane sums: the 128-bit lanes of a and b as a shuffle picks them, added.
@@ -86,16 +90,17 @@ VLLM_INLINE __m512 sums_of_sixteen(const __m512* v) {
 
 // out rows m0 .. m0 + R - 1, columns n0 .. n0 + C - 1 (R, C <= 4). `ahead`: the first of kWRows
 // weight rows (`ahead_stride` apart: 0 for a weight of fewer rows) the steps ask for, a line of
-// each per step. _mm_prefetch, not prefetch.h's asm
-// (around which GCC kept the accumulators in memory: 2x slower), and unconditional (GCC may delete
-// a hint under a condition): tiles with nothing to ask for ask for their own rows again.
+// each per step. _mm_prefetch, not prefetch.h's asm (around which GCC kept the accumulators in
+// memory: 2x slower), and unconditional (GCC may delete a hint under a condition): tiles with
+// nothing to ask for ask for their own rows again.
 template <int R, int C>
 void tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t N, int64_t K,
           int64_t m0, int64_t n0, const uint16_t* ahead, int64_t ahead_stride) {
   __m512 acc[16];  // acc[r + 4 c]: the lanes of out[m0 + r, n0 + c] (the sums' lane order)
   for (auto& a : acc) a = _mm512_setzero_ps();
   const auto step = [&](int64_t k, auto load) {
-    for (int c = 0; c < kWRows; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + c * ahead_stride + k), _MM_HINT_T0);
+    for (int c = 0; c < kWRows; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + c * ahead_stride + k), _MM_HINT_T0);
     __m512bh xv[R];
     for (int r = 0; r < R; ++r) xv[r] = load(x + (m0 + r) * K, k);
     for (int c = 0; c < C; ++c) {
@@ -104,7 +109,8 @@ void tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* 
     }
   };
   int64_t k = 0;
-  for (; k + 2 * kPairs <= K; k += 2 * kPairs) step(k, [](const uint16_t* row, int64_t at) { return load_pairs(row, at); });
+  for (; k + 2 * kPairs <= K; k += 2 * kPairs)
+    step(k, [](const uint16_t* row, int64_t at) { return load_pairs(row, at); });
   if (k < K) step(k, [K](const uint16_t* row, int64_t at) { return load_last_pairs(row, at, K); });
   __m512 sums = sums_of_sixteen(acc);  // lane 4 r + c: out[m0 + r, n0 + c]
   if (bias) {
@@ -117,33 +123,16 @@ void tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* 
   for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n0, rounded + 4 * r, C * sizeof(uint16_t));
 }
 
-// Every row of x against weight rows n0 .. n0 + C - 1: kXRows rows at a time, then the rest. The
-// first group reads the weights from memory and asks for the next tile's; the others read L1.
+// Every row of x against weight rows n0 .. n0 + C - 1, kXRows rows at a time. The first group
+// reads the weights from memory and asks for the next tile's; the others read L1.
 template <int C>
 void weight_tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M, int64_t N,
                  int64_t K, int64_t n0) {
   const uint16_t* next = w + std::max<int64_t>(0, std::min(n0 + C, N - kWRows)) * K;
   const int64_t stride = N >= kWRows ? K : 0;
-  int64_t m = 0;
-  for (; m + kXRows <= M; m += kXRows) tile<kXRows, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w, stride);
-  switch (M - m) {
-    case 3: tile<3, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w, stride); break;
-    case 2: tile<2, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w, stride); break;
-    case 1: tile<1, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w, stride); break;
-    default: break;
-  }
-}
-
-// Weight rows n .. n + rest - 1, 0 < rest < kWRows.
-template <int C>
-void last_weight_tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M, int64_t N,
-                      int64_t K, int64_t n, int64_t rest) {
-  if constexpr (C > 0) {
-    if (rest == C)
-      weight_tile<C>(x, w, bias, out, M, N, K, n);
-    else
-      last_weight_tile<C - 1>(x, w, bias, out, M, N, K, n, rest);
-  }
+  vllm_cpu_bits::for_row_tiles<kXRows>(M, [&](auto rows, int64_t m) {
+    tile<decltype(rows)::value, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w, stride);
+  });
 }
 
 void bf16_dot_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -171,15 +160,16 @@ void bf16_dot_linear(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   const int64_t tiles = (N + kWRows - 1) / kWRows;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, kWRows * K * 2));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    const int64_t n_end = std::min(N, end * kWRows);
-    int64_t n = begin * kWRows;
-    for (; n + kWRows <= n_end; n += kWRows) weight_tile<kWRows>(xp, wp, bp, op, M, N, K, n);
-    if (n < n_end) last_weight_tile<kWRows - 1>(xp, wp, bp, op, M, N, K, n, n_end - n);
+    vllm_cpu_bits::for_row_tiles<kWRows>(begin * kWRows, std::min(N, end * kWRows), [&](auto rows, int64_t n) {
+      weight_tile<decltype(rows)::value>(xp, wp, bp, op, M, N, K, n);
+    });
   });
 }
 
 }  // namespace
 
-TORCH_LIBRARY(vllm_bf16_dot, m) { m.def("bf16_dot_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()"); }
+TORCH_LIBRARY(vllm_bf16_dot, m) {
+  m.def("bf16_dot_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+}
 
 TORCH_LIBRARY_IMPL(vllm_bf16_dot, CPU, m) { m.impl("bf16_dot_linear", TORCH_FN(bf16_dot_linear)); }

@@ -239,7 +239,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
     if constexpr (kDot) {
       for (int64_t b = 0; b * bs < n; ++b) {  // each block's pairs, as 32-bit units, transposed into the chunk
         const int64_t nb = std::min(bs, n - b * bs);
-        const scalar_t* block = block_at(k_head, start + b * bs, next);
+        block = block_at(k_head, start + b * bs, next);
         for (int64_t t = 0; t < next.n; ++t) next.ask(t);
         at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(block), token_stride / 2,
                                       reinterpret_cast<float*>(kt2 + b * bs), ldk, nb, P);
@@ -420,7 +420,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const Task& first = tasks[groups[g].first];
         const int64_t task_values = (first.j1 - first.j0) * G * (D + 2);
         opmath_t* local = thread_scratch<opmath_t, Use::kPartials>(groups[g].count * task_values);
-        for (int64_t s = 0; s < groups[g].count; ++s) run_task(groups[g].first + s * groups[g].stride, local + s * task_values);
+        for (int64_t s = 0; s < groups[g].count; ++s)
+          run_task(groups[g].first + s * groups[g].stride, local + s * task_values);
         merge(g, [&](int64_t s) { return local + s * task_values; });
       }
     });
@@ -433,7 +434,9 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   });
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
-      merge(g, [&](int64_t s) { return partials.data() + tasks[groups[g].first + s * groups[g].stride].part * (D + 2); });
+      merge(g, [&](int64_t s) {
+        return partials.data() + tasks[groups[g].first + s * groups[g].stride].part * (D + 2);
+      });
   });
 }
 

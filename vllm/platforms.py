@@ -40,15 +40,19 @@ class Platform:
         return torch.float32
 
 
+def _cpu_supports(probe: str) -> bool:
+    """torch.cpu's private feature probe `probe`, False where this torch lacks it."""
+    return getattr(torch.cpu, probe, lambda: False)()
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX tiles: without them bf16 matmuls are emulated and slower than fp32."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+    return cpu_has_avx512_bf16() or _cpu_supports("_is_amx_tile_supported")
 
 
 def cpu_has_avx512_bf16() -> bool:
     """AVX512-BF16 (vdpbf16ps): what the CPU kernels' bf16 dot-product tiles need."""
-    return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return _cpu_supports("_is_avx512_bf16_supported")
 
 
 def cpu_has_avx512() -> bool:

@@ -68,7 +68,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 # (165 GFLOP/s, flat from 2k to 16k: time stays proportional to FLOPs), and 0.34-0.42x for
 # 512-2,048 new tokens over a 2k-4k cached prefix: no limit there. Built for AVX2 on the same
 # machine (-mno-avx512f, torch at its AVX2 level) it took 0.61x at 512, 0.86-0.92x at 1,024,
-# 1.0x at 2,048 and 1.1x at 4,096, where SDPA's blocked GEMMs catch up. A prefill's partial
+# 1.0x at 2,048 and 1.1x at 4,096, where SDPA's blocked GEMMs catch up. On a real AVX2 CPU (Zen 3
+# EPYC, benchmarks/cpu_attention.py) the same: 0.67-0.88x at 512, 0.92-1.18x at 1,024, 1.14-1.39x
+# at 2,048 (the kernel flat at 40-47 GFLOP/s), but 1.05-1.17x for 32-512 new tokens over a 2k
+# cached prefix, where SDPA's dense GEMMs run at 50-56 (docs/benchmarks.md). A prefill's partial
 # results are one group's at a time per thread (tens of KB), whatever the prompt's length.
 MAX_QUERY_LEN = 2**31 - 1 if cpu_has_avx512() else 1024
 

@@ -385,14 +385,6 @@ class Floor:
 
 
 # ----------------------------------------------------------------- a local `vllm serve` for online runs
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_server(model_dir: str, extra_args: list[str], log_path: str, timeout: float = 600.0,
                   env: Optional[dict] = None):
     """Start `vllm serve model_dir ...` on a free local port and wait for /health.
@@ -400,6 +392,8 @@ def launch_server(model_dir: str, extra_args: list[str], log_path: str, timeout:
     import subprocess
     import sys
     import urllib.request
+
+    from vllm.executor.multiproc import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--port", str(port),

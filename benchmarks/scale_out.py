@@ -56,7 +56,6 @@ from benchmarks.common import (
     ALL_TARGETS,
     add_model_args,
     engine_dtype,
-    free_port,
     load_hf_config,
     load_line,
     machine_load,
@@ -65,6 +64,7 @@ from benchmarks.common import (
     save_json,
     turn_ids,
 )
+from vllm.executor.multiproc import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "examples", "scale_out", "run_replicas.sh")

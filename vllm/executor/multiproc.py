@@ -80,7 +80,9 @@ def parse_core_binding(spec: Optional[str], world_size: int) -> Optional[list[li
     return cores
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it; free until someone
+    binds it): the workers' rendezvous here, and the servers tests and benchmarks start."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -109,7 +111,7 @@ class MultiprocExecutor:
         device = vllm_config.device_config.device
         cores = parse_core_binding(envs.VLLM_CPU_OMP_THREADS_BIND, self.world_size) if device.type == "cpu" else None
         timeout_s = envs.VLLM_TP_TIMEOUT_S or DEFAULT_TIMEOUT_S
-        address = ("127.0.0.1", _free_port())
+        address = ("127.0.0.1", free_port())
         context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
         self._failure_callbacks: list[Callable[[str], None]] = []

@@ -18,6 +18,12 @@ from typing import Any, Optional
 import torch
 
 
+def hf_num_kv_heads(hf_config) -> int:
+    """KV heads of a Hugging Face config: num_key_value_heads, or one per attention head where it
+    is absent (or 0), as transformers reads it."""
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
 @dataclass(frozen=True, eq=False)
 class ModelConfig:
     """What the model is and how its numbers are stored."""
@@ -57,7 +63,7 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads
+        return hf_num_kv_heads(self.hf_config)
 
     @property
     def hidden_size(self) -> int:

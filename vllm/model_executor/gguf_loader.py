@@ -39,6 +39,7 @@ from typing import Any, Iterator, Optional, Union
 import numpy as np
 import torch
 
+from vllm.config import hf_num_kv_heads
 from vllm.model_executor.layers.quantization import INT4_GROUP, QuantizedWeight
 
 # transformers' model_type (from general.architecture) -> the model class that serves it.
@@ -108,7 +109,7 @@ def iterate_gguf_weights(path: str, config: Any) -> Iterator[tuple[str, Union[to
     _check_types(path, tensors)
     permute = reader.fields["general.architecture"].contents() == "llama"
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = hf_num_kv_heads(config)
     for t in tensors:
         rows = _rotary_rows(t.name, int(t.shape[-1]), heads, kv_heads) if permute else None
         weight = _decode(t)

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from vllm.config import hf_num_kv_heads
 from vllm.core.kv_cache_utils import cdiv
 from vllm.distributed.parallel_state import TensorParallelState, get_tp
 
@@ -106,9 +107,7 @@ def head_shard(num_heads: int, num_kv_heads: int, head_size: int,
 
 def check_heads_split(hf_config, world_size: int) -> None:
     """A ValueError now, before any rank starts, when the attention heads cannot be split."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_shard(heads, kv_heads, 1, TensorParallelState(0, world_size))
+    head_shard(hf_config.num_attention_heads, hf_num_kv_heads(hf_config), 1, TensorParallelState(0, world_size))
 
 
 def kv_heads_per_rank(num_kv_heads: int, world_size: int) -> int:

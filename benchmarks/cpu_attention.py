@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.common import load_line, machine_load, print_table, save_json
+from benchmarks.common import load_line, machine_load, measured_bandwidth, print_table, save_json
 from vllm.attention.backends import cpu_native, torch_ref
 from vllm.attention.metadata import AttentionMetadata
 
@@ -47,13 +47,11 @@ def lower_quartile(fn: Callable[[], None], reps: int, before: Callable[[], None]
 
 
 def bandwidths(reps: int = 5) -> tuple[float, float]:
-    """(read, copy) bytes/s of this machine on torch's threads: a large sum, a large copy (read and
-    write both counted, as benchmarks.common.measured_bandwidth counts them)."""
+    """(read, copy) bytes/s of this machine on torch's threads: a large sum, and the copy rate the
+    engine's floors use (benchmarks.common.measured_bandwidth)."""
     src = torch.ones(256 * 2**20 // 4)
-    dst = torch.empty_like(src)
     read = src.numel() * 4 / lower_quartile(lambda: src.sum(), reps)
-    copy = 2 * src.numel() * 4 / lower_quartile(lambda: dst.copy_(src), reps)
-    return read, copy
+    return read, measured_bandwidth("cpu")
 
 
 def paged_inputs(contexts: list[int], query_lens: list[int], heads: int, kv_heads: int, head_size: int,
@@ -122,9 +120,7 @@ def prompt_rows(args) -> list[dict]:
         native = lower_quartile(lambda: cpu_native.paged_attention_rows(
             out, query, cache, meta.block_table, meta.seq_lens, meta.query_start_loc, 2**31 - 1, args.scale), reps)
         sdpa = lower_quartile(lambda: torch_ref.paged_attention(query, key, value, cache, meta, args.scale), reps)
-        reference = torch_ref.paged_attention(query, key, value, cache, meta, args.scale)
-        cpu_native.paged_attention_rows(out, query, cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
-                                        2**31 - 1, args.scale)
+        reference = torch_ref.paged_attention(query, key, value, cache, meta, args.scale)  # `out`: the timed runs'
         flops = 4 * args.heads * args.head_size * sum(context + j + 1 for j in range(query_len))
         results.append({"context": context, "query_len": query_len, "native_ms": native * 1e3,
                         "sdpa_ms": sdpa * 1e3, "native_gflops": flops / native / 1e9,

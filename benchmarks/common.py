@@ -356,14 +356,16 @@ class Floor:
     matmul rate, or the bytes a step must read (every weight once, and the KV of every
     position attended to) over the measured bandwidth, whichever is larger."""
 
-    def __init__(self, hf_config, dtype: torch.dtype, device: str, num_tokens: int = 2048, tries: int = 3):
+    def __init__(self, hf_config, dtype: torch.dtype, device: str, num_tokens: int = 2048, tries: int = 3,
+                 kv_dtype: Optional[torch.dtype] = None):
+        """kv_dtype: the KV cache's (--kv-cache-dtype), default `dtype`."""
         # Best of a few tries: on a shared machine a slow try measures the neighbours, not the hardware.
         self.hf_config = hf_config
         self.flops = max(measured_matmul_flops(linear_shapes(hf_config), num_tokens, dtype, device)
                          for _ in range(tries))
         self.bandwidth = max(measured_bandwidth(device) for _ in range(tries))
         self.bytes = weight_bytes(hf_config, dtype)
-        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, kv_dtype or dtype)
 
     def seconds(self, num_tokens: int, context: int = 0) -> float:
         """One sequence: `num_tokens` new tokens after `context` cached ones."""

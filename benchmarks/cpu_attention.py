@@ -12,6 +12,7 @@ machine's floors, in two tables:
     python -m benchmarks.cpu_attention                          # SmolLM2-135M's shapes, 1 thread
     python -m benchmarks.cpu_attention --heads 32 --kv-heads 8 --head-size 128 --layers 32  # Llama-8B's
     python -m benchmarks.cpu_attention --dtype bfloat16 --tables decode
+    python -m benchmarks.cpu_attention --kv-cache-dtype bfloat16 --tables decode  # fp32 model, bf16 cache
 
 Timings are the lower quartile of repeated runs (this host's neighbours make the upper ones
 noise). The block tables are shuffled permutations, as a long-running engine's are.
@@ -55,9 +56,10 @@ def bandwidths(reps: int = 5) -> tuple[float, float]:
 
 
 def paged_inputs(contexts: list[int], query_lens: list[int], heads: int, kv_heads: int, head_size: int,
-                 dtype: torch.dtype, seed: int):
+                 dtype: torch.dtype, seed: int, kv_dtype: torch.dtype | None = None):
     """(query, key, value, kv_cache, meta) for sequences of `contexts` cached tokens plus
-    `query_lens` new ones, the new keys and values already stored."""
+    `query_lens` new ones, the new keys and values already stored; the cache in `kv_dtype`
+    (default: `dtype`)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(contexts, query_lens)]
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
@@ -67,7 +69,7 @@ def paged_inputs(contexts: list[int], query_lens: list[int], heads: int, kv_head
     for i, n in enumerate(blocks):
         table[i, :n] = perm[first:first + n]
         first += n
-    cache = torch.randn(2, sum(blocks) + 1, BLOCK_SIZE, kv_heads, head_size, generator=gen).to(dtype)
+    cache = torch.randn(2, sum(blocks) + 1, BLOCK_SIZE, kv_heads, head_size, generator=gen).to(kv_dtype or dtype)
     slots = torch.cat([table[i, torch.arange(c, c + q) // BLOCK_SIZE].long() * BLOCK_SIZE
                        + torch.arange(c, c + q) % BLOCK_SIZE for i, (c, q) in enumerate(zip(contexts, query_lens))])
     n = sum(query_lens)
@@ -85,13 +87,13 @@ def paged_inputs(contexts: list[int], query_lens: list[int], heads: int, kv_head
 
 
 def decode_rows(args, read_bw: float, copy_bw: float) -> list[dict]:
-    dtype = getattr(torch, args.dtype)
+    dtype, kv_dtype = getattr(torch, args.dtype), getattr(torch, args.kv_cache_dtype)
     flush_src, flush_dst = torch.ones(FLUSH_BYTES // 4), torch.empty(FLUSH_BYTES // 4)
     results = []
     for context in args.contexts:
         for batch in args.batches:
             layers = [paged_inputs([context - 1] * batch, [1] * batch, args.heads, args.kv_heads, args.head_size,
-                                   dtype, seed=layer) for layer in range(args.layers)]
+                                   dtype, seed=layer, kv_dtype=kv_dtype) for layer in range(args.layers)]
             out = torch.empty_like(layers[0][0])
 
             def step():
@@ -101,7 +103,7 @@ def decode_rows(args, read_bw: float, copy_bw: float) -> list[dict]:
 
             seconds = lower_quartile(step, args.reps, before=lambda: flush_dst.copy_(flush_src))
             kv_bytes = (2 * args.layers * batch * context * args.kv_heads * args.head_size
-                        * torch.empty((), dtype=dtype).element_size())
+                        * torch.empty((), dtype=kv_dtype).element_size())
             rate = kv_bytes / seconds
             results.append({"context": context, "batch": batch, "ms": seconds * 1e3, "kv_bytes": kv_bytes,
                             "gb_per_s": rate / 1e9, "of_read": rate / read_bw, "of_copy": rate / copy_bw})
@@ -109,12 +111,12 @@ def decode_rows(args, read_bw: float, copy_bw: float) -> list[dict]:
 
 
 def prompt_rows(args) -> list[dict]:
-    dtype = getattr(torch, args.dtype)
+    dtype, kv_dtype = getattr(torch, args.dtype), getattr(torch, args.kv_cache_dtype)
     results = []
     for spec in args.prompts:
         context, query_len = (int(x) for x in spec.split("+")) if "+" in spec else (0, int(spec))
         query, key, value, cache, meta = paged_inputs([context], [query_len], args.heads, args.kv_heads,
-                                                      args.head_size, dtype, seed=0)
+                                                      args.head_size, dtype, seed=0, kv_dtype=kv_dtype)
         out = torch.empty_like(query)
         reps = max(3, min(args.reps, int(args.reps * (512 / query_len) ** 2)))
         native = lower_quartile(lambda: cpu_native.paged_attention_rows(
@@ -137,6 +139,9 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=30, help="layers a decode step attends over")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--kv-cache-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="the cache's dtype (default: --dtype); bfloat16 under float32 is the engine's "
+                             "--kv-cache-dtype bfloat16")
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="decode: tokens per sequence")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode: sequences per step")
     parser.add_argument("--prompts", nargs="+", default=["512", "1024", "2048", "4096", "2048+512"],
@@ -147,11 +152,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.heads % args.kv_heads:
         parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    args.kv_cache_dtype = args.kv_cache_dtype or args.dtype
+    if args.kv_cache_dtype != args.dtype and (args.dtype, args.kv_cache_dtype) != ("float32", "bfloat16"):
+        parser.error("--kv-cache-dtype differs from --dtype only as bfloat16 under float32")
     if not cpu_native.is_available():
         parser.error("the native CPU attention kernel is not built here (see vllm/native_build.py)")
     torch.set_num_threads(args.threads)
     args.scale = args.head_size ** -0.5
-    shape = f"{args.heads}/{args.kv_heads} heads of {args.head_size}, {args.dtype}, {args.threads} threads"
+    cache = "" if args.kv_cache_dtype == args.dtype else f" ({args.kv_cache_dtype} cache)"
+    shape = f"{args.heads}/{args.kv_heads} heads of {args.head_size}, {args.dtype}{cache}, {args.threads} threads"
     payload = {"load": machine_load(), "shape": shape}
     if "decode" in args.tables:
         read_bw, copy_bw = bandwidths()

@@ -8,10 +8,12 @@ requests against base only. Each figure with its ratio to this machine's floor.
     python -m benchmarks.engine_steps --precision fp32 bf16 int8 int4 --figures decode prefill
     python -m benchmarks.engine_steps --tiny --figures decode --decode-context 128  # the engine's own cost
     python -m benchmarks.engine_steps --precision bf16 int4 fp32 int8 --interleave 7  # robust ratios
+    python -m benchmarks.engine_steps --precision bf16 int4 fp32 --interleave 5 --kv-cache-dtype bfloat16
 
 Floors (benchmarks.common.Floor): a decode step reads every weight once plus the KV of
 the batch at the measured copy bandwidth, or costs the batch's FLOPs at the measured
-matmul rate, whichever is slower; a prefill costs its FLOPs at the matmul rate. A
+matmul rate, whichever is slower; a prefill costs its FLOPs at the matmul rate. The KV bytes are
+the cache's dtype: --kv-cache-dtype bfloat16 gives every precision a bf16 cache (and its floor). A
 quantized model's weight bytes are its quantized linears plus the LM head as it is stored
 (int8 per channel under --quantization; as benchmarks/quantization.py counts them).
 
@@ -200,7 +202,8 @@ def tiny_checkpoint(root: str) -> str:
     return make_checkpoint(os.path.join(root, "tiny-llama"), "llama")
 
 
-def precision_floor(llm: LLM, hf_config, dtype: torch.dtype, quantization: Optional[str], device: str) -> Floor:
+def precision_floor(llm: LLM, hf_config, dtype: torch.dtype, quantization: Optional[str], device: str,
+                    kv_cache_dtype: str = "auto") -> Floor:
     """The floor on this machine; a quantized model reads its quantized linears and the LM head."""
     import benchmarks.common as common
 
@@ -208,7 +211,7 @@ def precision_floor(llm: LLM, hf_config, dtype: torch.dtype, quantization: Optio
     # so a figure and its floor are measured alike.
     saved, common.time = common.time, SimpleNamespace(perf_counter=clock)
     try:
-        floor = Floor(hf_config, dtype, device)
+        floor = Floor(hf_config, dtype, device, kv_dtype=torch.bfloat16 if kv_cache_dtype == "bfloat16" else None)
     finally:
         common.time = saved
     if quantization is not None:
@@ -239,7 +242,7 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
     lora_kwargs = dict(enable_lora=True, max_loras=4, max_lora_rank=args.rank) if adapters else {}
     max_len = max([4096, args.context + 64, *(n + 64 for n in args.prefill_lengths)])
     llm = LLM(model_dir, max_model_len=min(max_len, hf_config.max_position_embeddings), **lora_kwargs, **kwargs)
-    floor = precision_floor(llm, hf_config, dtype, quantization, device)
+    floor = precision_floor(llm, hf_config, dtype, quantization, device, args.kv_cache_dtype)
     rows, results = [], {"floor": floor.as_dict()}
 
     def add(name: str, seconds: float, floor_seconds: Optional[float]) -> None:
@@ -297,7 +300,7 @@ def interleaved_decode(args, model_dir: str, kwargs: dict, device: str) -> tuple
         kw, dtype, quantization = precision_engine(args, precision, model_dir,
                                                    dict(kwargs, kv_cache_memory_bytes=INTERLEAVE_KV_BYTES))
         llm = LLM(model_dir, max_model_len=min(4096, hf_config.max_position_embeddings), **kw)
-        engines[precision] = (llm, precision_floor(llm, hf_config, dtype, quantization, device))
+        engines[precision] = (llm, precision_floor(llm, hf_config, dtype, quantization, device, args.kv_cache_dtype))
     times = {precision: [] for precision in engines}
     for _ in range(args.interleave):
         for precision, (llm, _) in engines.items():
@@ -378,6 +381,8 @@ def main() -> None:
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                         help="batch-1 decode of every --precision (two or more), one engine each, timed in "
                              "turns for ROUNDS rounds; reports each precision's speed-up over the first")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16"),
+                        help="the engines' KV cache (the engine option of that name) and the floors' KV bytes")
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="decode/prefill and their floors timed in wall time or in CPU time (with "
                              "--threads 1: immune to a busy machine)")
@@ -394,6 +399,7 @@ def main() -> None:
         model_dir = tiny_checkpoint(tempfile.mkdtemp(prefix="vllm-engine-steps-tiny-"))
     else:
         model_dir, kwargs = resolve_model(args)
+    kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     name = load_hf_config(model_dir).architectures[0] + (" (tiny)" if args.tiny else "")
     results = {"device": device, "machine": machine_load(), "model": name, "clock": args.clock}
     if args.interleave:

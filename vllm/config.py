@@ -91,6 +91,13 @@ class CacheConfig:
     kv_cache_memory_bytes: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_bytes: Optional[int] = None
+    # Storage of the cached keys and values; None: the model's dtype. bfloat16 under a float32
+    # model halves the cache and the bytes a decode reads; attention then sees the keys and
+    # values as stored (rounded to bf16), whichever path computes it.
+    cache_dtype: Optional[torch.dtype] = None
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.cache_dtype or model_dtype
 
 
 @dataclass(frozen=True)

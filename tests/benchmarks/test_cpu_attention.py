@@ -31,6 +31,19 @@ def test_decode_and_prompt_tables(tmp_path):
         assert row["max_abs_diff"] < 1e-4  # the kernel and torch_ref compute the same attention
 
 
+@pytest.mark.skipif(not cpu_native.is_available(), reason="the native CPU attention kernel is not built here")
+def test_a_bf16_cache_under_fp32_counts_half_the_bytes(tmp_path):
+    out = tmp_path / "attention.json"
+    cmd = [sys.executable, "-m", "benchmarks.cpu_attention", "--kv-cache-dtype", "bfloat16", "--layers", "2",
+           "--contexts", "40", "--batches", "1", "--prompts", "40+8", "--reps", "3", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "float32 (bfloat16 cache)" in result.stdout
+    payload = json.loads(out.read_text())
+    assert [r["kv_bytes"] for r in payload["decode"]] == [2 * 2 * 40 * 3 * 64 * 2]
+    assert payload["prompt"][0]["max_abs_diff"] < 1e-4  # torch_ref reads the same bf16 cache
+
+
 def test_heads_must_share_kv_heads_evenly():
     cmd = [sys.executable, "-m", "benchmarks.cpu_attention", "--heads", "8", "--kv-heads", "3"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

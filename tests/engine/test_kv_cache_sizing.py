@@ -24,7 +24,7 @@ def _blocks(**cache):
 
 
 def test_capacity_sources():
-    per_block = bytes_per_block(_model_config(), 16)
+    per_block = bytes_per_block(_model_config(), CacheConfig(block_size=16))
     assert per_block == 2 * 2 * 16 * 2 * 16 * 4  # k+v, layers, tokens, kv heads, head size, fp32
     assert _blocks(num_gpu_blocks_override=7, kv_cache_memory_bytes=per_block * 100) == 7
     assert _blocks(kv_cache_memory_bytes=per_block * 100 + 5) == 100

@@ -3,7 +3,8 @@ oracle: decodes and short prefills on a cached prefix (an aLoRA's few tokens ove
 conversation) with shuffled block ids and noise in unused blocks, lengths of 1 and exact
 multiples of the block size, query runs and long contexts split across tasks (and merged),
 GQA ratios 1-4, head sizes 16/32/40/64/96/128, block sizes 5/8/12/16/80, fp32 (tight) and bf16/fp16
-(loose, against fp32 on the same rounded inputs; bf16 prompts through the AVX512-BF16 tiles too); sequences above max_query_len left alone;
+(loose, against fp32 on the same rounded inputs; bf16 prompts through the AVX512-BF16 tiles too), fp32
+queries over a bf16 cache (tight, against fp32 on the rounded cache); sequences above max_query_len left alone;
 results bitwise independent of threads and of the rest of the batch; mixed batches through
 the backend; and greedy generation equal to VLLM_USE_TORCH_REFERENCE_OPS=1.
 
@@ -156,6 +157,34 @@ def test_half_precision_accumulates_in_fp32(dtype):
     out = run_native(query, cache, meta, scale)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("specs", [decode_specs([1, 16, 33, 250, 700]), SHORT, MIXED], ids=["decodes", "short", "mixed"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (6, 2, 40)])
+def test_fp32_queries_over_a_bf16_cache_match_fp32_on_the_rounded_cache(specs, num_heads, num_kv_heads, head_size,
+                                                                        monkeypatch):
+    """--kv-cache-dtype bfloat16 under an fp32 model: the kernel widens each bf16 key and value
+    exactly as it reads it, so against fp32 attention over the rounded keys and values only the
+    summation order differs (fp32 tolerance); through the backend with MAX_QUERY_LEN lowered to 8,
+    the longer prompts (torch_ref) see their keys rounded the same way."""
+    query, key, value, cache, meta = make_batch(specs, num_heads, num_kv_heads, head_size, 16, seed=head_size)
+    n, scale = meta.num_actual_tokens, head_size**-0.5
+    rounded = key.bfloat16().float(), value.bfloat16().float()
+    ref, _ = reference(query, *rounded, cache.bfloat16().float(), meta, scale)
+    stored = cache.bfloat16()
+    torch_ref.store_kv(key[:n], value[:n], stored, meta.slot_mapping[:n])
+    out = run_native(query, stored, meta, scale, max_query_len=10**6)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(cpu_native, "MAX_QUERY_LEN", 8)
+    torch.testing.assert_close(cpu_native.paged_attention(query[:n], key[:n], value[:n], stored, meta, scale), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_bf16_cache_takes_only_fp32_queries():
+    query, _, _, cache, meta = make_batch(decode_specs([10, 20]), 4, 2, 16, 8, seed=27)
+    with pytest.raises(RuntimeError, match=r"or be bf16 under fp32"):
+        run_native(query.half(), cache.bfloat16(), meta, 0.25)
 
 
 def test_mixed_batch_through_backend():

@@ -86,11 +86,13 @@ def make_cache(num_blocks: int, block_size: int, kv_heads: int, head_size: int, 
     return torch.randn(2, num_blocks, block_size, kv_heads, head_size).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "fp32-to-bf16"])
 @pytest.mark.parametrize("tokens", [1, 100])
-def test_store_kv_equals_torch_ref_and_skips_padding(dtype, tokens):
+def test_store_kv_equals_torch_ref_and_skips_padding(dtype, cache_dtype, tokens):
+    """fp32 keys into a bf16 cache (--kv-cache-dtype bfloat16) round to nearest even, as torch's cast."""
     _, k, v = qkv_views(tokens, 6, 2, 32, dtype, seed=2)
-    cache = make_cache(16, 8, 2, 32, dtype)
+    cache = make_cache(16, 8, 2, 32, cache_dtype)
     slots = torch.randperm(16 * 8, generator=torch.Generator().manual_seed(3))[:tokens]
     slots[-1] = -1  # a padding token (CUDA-graph padding, a failed step's unwritten slot)
     ours, ref = cache.clone(), cache.clone()
@@ -107,6 +109,8 @@ def test_store_kv_rejects_bad_input_with_a_message():
         op(cache, k, v, torch.tensor([0, 1, 8]))
     with pytest.raises(RuntimeError, match="key must have the KV cache's dtype"):
         op(cache, k.double(), v, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match=r"key must have the KV cache's dtype Float \(or float32 into a bfloat16"):
+        op(cache, k.bfloat16(), v, torch.tensor([0, 1, 2]))  # nothing narrows into a wider cache
     with pytest.raises(RuntimeError, match=r"key must be \[tokens, 2, 16\]"):
         op(cache, k[:, :1], v, torch.tensor([0, 1, 2]))
 

@@ -84,6 +84,10 @@ class EngineArgs:
         "Fraction of GPU memory the engine may use (KV cache sized from the rest)."))
     kv_cache_memory_bytes: Optional[int] = field(default=None, metadata=_help("Explicit KV cache size in bytes."))
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata=_help("Explicit number of KV-cache blocks."))
+    kv_cache_dtype: str = field(default="auto", metadata=_help(
+        "Storage of the KV cache: auto (the model's dtype) or bfloat16. bfloat16 under a float32 or quantized "
+        "model halves the cache's memory and the bytes each decode step reads from it; attention then reads the "
+        "keys and values rounded to bf16. fp8 caches are not supported."))
     max_logprobs: int = field(default=20, metadata=_help(
         "Most logprobs (and prompt logprobs) a request may ask for per token."))
     tensor_parallel_size: int = field(default=1, metadata=_help(
@@ -184,6 +188,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self._fraction("gpu_memory_utilization", self.gpu_memory_utilization),
             cpu_kvcache_space_bytes=int(space * (1 << 30)) if space else None,
+            cache_dtype=self._kv_cache_dtype(model_config.dtype),
         )
         return VllmConfig(
             model_config=model_config,
@@ -204,6 +209,19 @@ class EngineArgs:
             logger.info("dtype=auto on CPU: %s (checkpoint dtype %s; %s).", str(dtype).removeprefix("torch."),
                         str(stored).removeprefix("torch.") if stored else "unknown", why)
         return dtype
+
+    def _kv_cache_dtype(self, model_dtype: torch.dtype) -> Optional[torch.dtype]:
+        """None (the model's dtype) for auto; bfloat16 under a float32 or bfloat16 model."""
+        if self.kv_cache_dtype in ("auto", None):
+            return None
+        if self.kv_cache_dtype != "bfloat16":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; supported: auto (the model's "
+                             "dtype) or bfloat16.")
+        if model_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"--kv-cache-dtype bfloat16 needs a float32 or bfloat16 model; this one runs "
+                             f"{str(model_dtype).removeprefix('torch.')} (use --kv-cache-dtype auto, or --dtype "
+                             "bfloat16).")
+        return torch.bfloat16
 
     def _quantization(self, platform) -> Optional[str]:
         from vllm.model_executor.layers.quantization import METHODS

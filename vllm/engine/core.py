@@ -79,10 +79,11 @@ class EngineCore:
         )
         self.profiler = StepProfiler(vllm_config.device_config.device)
         logger.info(
-            "Engine ready in %.1fs: %s on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)",
+            "Engine ready in %.1fs: %s on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB, %s)",
             time.time() - started, model_config.architecture, vllm_config.device_config.device,
             str(model_config.dtype).removeprefix("torch."), num_blocks, cache_config.block_size,
-            num_blocks * bytes_per_block(model_config, cache_config.block_size) / 2**30,
+            num_blocks * bytes_per_block(model_config, cache_config) / 2**30,
+            str(cache_config.kv_dtype(model_config.dtype)).removeprefix("torch."),
         )
 
     @property

@@ -34,10 +34,11 @@ def _num_kv_heads(model_config: ModelConfig) -> int:
     return kv_heads_per_rank(model_config.num_kv_heads, get_tp().world_size)
 
 
-def bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
-    """One block's bytes over every layer, on one rank."""
-    element = torch.tensor([], dtype=model_config.dtype).element_size()
-    return 2 * model_config.num_layers * block_size * _num_kv_heads(model_config) * model_config.head_size * element
+def bytes_per_block(model_config: ModelConfig, cache_config: CacheConfig) -> int:
+    """One block's bytes over every layer, on one rank, in the cache's dtype."""
+    element = torch.tensor([], dtype=cache_config.kv_dtype(model_config.dtype)).element_size()
+    return (2 * model_config.num_layers * cache_config.block_size * _num_kv_heads(model_config)
+            * model_config.head_size * element)
 
 
 def determine_num_blocks(
@@ -49,7 +50,7 @@ def determine_num_blocks(
 ) -> int:
     """`profile_peak_bytes` runs a worst-case forward pass and returns the peak memory
     it used (only called on CUDA when no explicit size is given)."""
-    per_block = bytes_per_block(model_config, cache_config.block_size)
+    per_block = bytes_per_block(model_config, cache_config)
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
     if cache_config.kv_cache_memory_bytes is not None:
@@ -72,14 +73,16 @@ def _at_least_one(num_blocks: int, source: str) -> int:
     return int(num_blocks)
 
 
-def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int, device: torch.device) -> list[torch.Tensor]:
-    """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size].
+def allocate_kv_caches(model_config: ModelConfig, cache_config: CacheConfig, num_blocks: int,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size], in the cache's dtype.
 
     Zeroed, not empty: on the CPU that touches every page now, so the cache is resident from
     start-up (a cache too large for the machine fails here, not hours later) and the server's
     memory does not creep up as the free-block queue rotates through blocks never used before."""
-    shape = (2, num_blocks, block_size, _num_kv_heads(model_config), model_config.head_size)
-    return [torch.zeros(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_layers)]
+    shape = (2, num_blocks, cache_config.block_size, _num_kv_heads(model_config), model_config.head_size)
+    dtype = cache_config.kv_dtype(model_config.dtype)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
 
 
 def zero_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> None:

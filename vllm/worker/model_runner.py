@@ -38,7 +38,8 @@ class ModelRunner:
     def __init__(self, vllm_config: VllmConfig):
         self.config = vllm_config
         self.model_config = vllm_config.model_config
-        self.block_size = vllm_config.cache_config.block_size
+        self.cache_config = vllm_config.cache_config
+        self.block_size = self.cache_config.block_size
         self.device = vllm_config.device_config.device
         if vllm_config.device_config.cpu_threads is not None:
             torch.set_num_threads(vllm_config.device_config.cpu_threads)  # process-wide: this is the engine's process
@@ -81,7 +82,7 @@ class ModelRunner:
             )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size, self.device)
+        self.kv_caches = allocate_kv_caches(self.model_config, self.cache_config, num_blocks, self.device)
         if self.device.type == "cuda" and not self.model_config.enforce_eager:
             self.capture_cuda_graphs()
 
@@ -104,7 +105,7 @@ class ModelRunner:
         """Peak device memory of a forward pass over a full token budget (CUDA only)."""
         num_tokens = self.config.scheduler_config.max_num_batched_tokens
         num_blocks = cdiv(num_tokens, self.block_size)
-        caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size, self.device)
+        caches = allocate_kv_caches(self.model_config, self.cache_config, num_blocks, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         inputs = StepInputs(
             req_ids=["profile"], input_ids=np.zeros(num_tokens, dtype=np.int64),

@@ -3,13 +3,17 @@ the Triton kernels).
 
 Semantics (see vllm/attention/metadata.py for the layout):
   store_kv:       kv_cache[0].flat[slot_mapping[t]] = key[t];  kv_cache[1].flat[...] = value[t]
-                  for every t with slot_mapping[t] >= 0.
+                  for every t with slot_mapping[t] >= 0 (rounded to the cache's dtype).
   paged_attention: for sequence i with KV length L and query length q, query token j
                   sits at position L - q + j and attends to positions 0 .. L - q + j
                   (causal on top of the cached prefix). GQA: query head h reads KV
                   head h // (num_heads // num_kv_heads). A layer's AttentionVariant
                   (sliding window, logit soft cap, sinks; vllm/attention/variant.py)
                   narrows the positions or changes the scores as documented there.
+                  Keys and values are those the cache holds: where its dtype is narrower
+                  than the query's (a bf16 cache under an fp32 model) they are read back
+                  widened, and a prompt's own new keys are rounded the same way, so a
+                  result never depends on whether its keys came from this step or the cache.
 
 Decodes are computed as one padded batch of whole blocks; prefills one sequence at a time. A prefill
 with no cached prefix reads the new keys and values directly, without a gather; with a sliding window only the blocks
@@ -36,8 +40,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _as_stored(x: torch.Tensor, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache holds it (rounded to its dtype), in `dtype`: the identity when they agree."""
+    return x if kv_cache.dtype == x.dtype == dtype else x.to(kv_cache.dtype).to(dtype)
 
 
 def _attend(
@@ -97,6 +106,7 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     blocks, mask, num_blocks = _decode_index(meta, block_size, variant.sliding_window)
     k = kv_cache[0].index_select(0, blocks).view(d, num_blocks * block_size, num_kv_heads, head_size)
     v = kv_cache[1].index_select(0, blocks).view(d, num_blocks * block_size, num_kv_heads, head_size)
+    k, v = _as_stored(k, kv_cache, query.dtype), _as_stored(v, kv_cache, query.dtype)
     num_heads = query.shape[1]
     if variant.needs_scores:  # one query row per head: [d, H, 1, D]
         out = _attend(query[:d].view(d, num_heads, 1, head_size), k.transpose(1, 2), v.transpose(1, 2),
@@ -131,14 +141,16 @@ def prefill_attention(
         start, end, kv_len = qsl[i], qsl[i + 1], seq_lens[i]
         if end - start < min_query_len:
             continue
-        if kv_len == end - start and variant.is_plain:  # no cached prefix: the new keys are all there is
+        if kv_len == end - start:  # no cached prefix: the new keys, as the cache holds them, are all there is
+            k = _as_stored(key[start:end], kv_cache, query.dtype)  # [q_len, Hkv, D]
+            v = _as_stored(value[start:end], kv_cache, query.dtype)
+        if kv_len == end - start and variant.is_plain:
             q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            k = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
-            v = value[start:end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                               is_causal=True, scale=scale, enable_gqa=gqa)
             out[start:end] = o[0].transpose(0, 1)
         elif kv_len == end - start:
-            out[start:end] = _attend_window(query[start:end], key[start:end], value[start:end], 0, scale, variant)
+            out[start:end] = _attend_window(query[start:end], k, v, 0, scale, variant)
         else:
             out[start:end] = _attend_with_context(query[start:end], kv_cache, meta.block_table[i], kv_len, scale,
                                                   variant)
@@ -183,7 +195,8 @@ def _attend_with_context(
     first = first_block * block_size
     k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_size)[: kv_len - first]  # [n, Hkv, D]
     v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_size)[: kv_len - first]
-    return _attend_window(query, k, v, first, scale, variant)
+    return _attend_window(query, _as_stored(k, kv_cache, query.dtype), _as_stored(v, kv_cache, query.dtype), first,
+                          scale, variant)
 
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -17,7 +17,8 @@
  *   sinks when unset (then the attention is plain causal).
  *   Only sequences with q <= max_query_len are computed; the rows of the others are not
  *   written (the caller computes them another way). Storage may be fp32, bf16 or fp16
- *   (query, cache and out share it); all arithmetic is in fp32 (at::opmath_type), rounded
+ *   (query, cache and out share it), or fp32 query and out over a bf16 cache (keys and values
+ *   widened exactly as they are read); all arithmetic is in fp32 (at::opmath_type), rounded
  *   to the storage type only when writing out, but for bf16 prompts on CPUs with AVX512-BF16,
  *   whose value sums take the probabilities rounded to bf16, as SDPA does for bf16 on the CPU
  *   (attention_bf16_tiles.h). exp is at::vec's exp_u20 (within 20 ulp of fp32 exp, far below
@@ -166,22 +167,22 @@ inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, co
 // sum of exp(logit - max) over the task's keys (-inf and 0 when the row attends to none of them).
 // kTranspose: the many-row path (keys transposed a chunk at a time) or the decode path (keys and
 // values read in place, a block at a time); one function each, so that each path's inner loops
-// are compiled, and inlined, on their own. kDot (bf16, many rows, where kHasBf16Dot): the tiles
+// are compiled, and inlined, on their own. kDot (bf16 query and cache, many rows, where kHasBf16Dot): the tiles
 // of attention_bf16_tiles.h, on the bf16 rows as stored.
-template <typename scalar_t, bool kTranspose, bool kDot = false>
-void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, int64_t q_s1, const scalar_t* k_cache,
-                       const scalar_t* v_cache, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
+template <typename scalar_t, typename cache_t, bool kTranspose, bool kDot = false>
+void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, int64_t q_s1, const cache_t* k_cache,
+                       const cache_t* v_cache, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
                        const int32_t* qsl, int64_t G, int64_t D, int64_t bs, int64_t Hkv, int64_t keys_per_task,
                        at::opmath_type<scalar_t> scale, const Variant& variant, at::opmath_type<scalar_t>* part_rows) {
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int64_t W = at::vec::Vectorized<opmath_t>::size();
   const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;  // within kv_cache[0 or 1]
-  const int64_t ahead = kPrefetchBlocks * bs, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t ahead = kPrefetchBlocks * bs, row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
   const int64_t L = seq_lens[task.seq], q_len = qsl[task.seq + 1] - qsl[task.seq];
   const int64_t M = (task.j1 - task.j0) * G, span = task.k1 - task.k0;
   const int32_t* blocks = tables + task.seq * table_stride;
-  const scalar_t* k_head = k_cache + task.kv * D;
-  const scalar_t* v_head = v_cache + task.kv * D;
+  const cache_t* k_head = k_cache + task.kv * D;
+  const cache_t* v_head = v_cache + task.kv * D;
   // Keys read at a time: a chunk of blocks where the keys are transposed, else one block.
   const int64_t chunk = kTranspose ? (kChunkKeys + bs - 1) / bs * bs : bs;
   const int64_t ldk = (chunk + kLogitVecs * W - 1) / (kLogitVecs * W) * (kLogitVecs * W);  // transposed row length
@@ -220,12 +221,12 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   // bs, rows token_stride apart); `next` gets this head's rows kPrefetchBlocks blocks further on,
   // for the inner loops to ask for. (Asking for every head's rows from the first head's task,
   // whole token rows, measured slower.)
-  auto block_at = [&](const scalar_t* head, int64_t start, Ahead& next) {
+  auto block_at = [&](const cache_t* head, int64_t start, Ahead& next) {
     const int64_t key = task.k0 + start;
     next = Ahead{};
     if (start + ahead < span)
       next = Ahead{reinterpret_cast<const char*>(head + blocks[(key + ahead) / bs] * block_stride),
-                   std::min(bs, span - start - ahead), token_stride * static_cast<int64_t>(sizeof(scalar_t)),
+                   std::min(bs, span - start - ahead), token_stride * static_cast<int64_t>(sizeof(cache_t)),
                    row_bytes};
     return head + blocks[key / bs] * block_stride;
   };
@@ -233,7 +234,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   for (int64_t start = 0; start < span; start += chunk) {
     const int64_t n = std::min(chunk, span - start);
     Ahead next;
-    const scalar_t* block = nullptr;
+    const cache_t* block = nullptr;
     int64_t stride = token_stride;
     const opmath_t* k = nullptr;
     if constexpr (kDot) {
@@ -254,7 +255,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
     } else {
       block = block_at(k_head, start, next);
       // The block as opmath rows where the inner loops do not read it in place.
-      if constexpr (!kReadInPlace<scalar_t>) k = rows_as_opmath(block, n, token_stride, D, rows, stride);
+      if constexpr (!kReadInPlace<cache_t>) k = rows_as_opmath(block, n, token_stride, D, rows, stride);
     }
     for_row_tiles<kTranspose ? kLogitRows : kRowTile>(M, [&](auto tile, int64_t m) {
       constexpr int R = decltype(tile)::value;
@@ -271,7 +272,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
       } else if constexpr (kTranspose) {
         block_logits<R>(lp, qp, kt, ldk, n, D);
       } else {
-        if constexpr (kReadInPlace<scalar_t>)
+        if constexpr (kReadInPlace<cache_t>)
           row_logits<R>(lp, qp, block, token_stride, n, D, m == 0 ? next : Ahead{});
         else
           row_logits<R>(lp, qp, k, stride, n, D, m == 0 ? next : Ahead{});
@@ -297,7 +298,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   }
 
   // Pass 2: probability-weighted sum of the values into the partial rows, one chunk at a time.
-  const scalar_t* in_place[kChunkKeys];  // a chunk's value blocks (at most one per key)
+  const cache_t* in_place[kChunkKeys];  // a chunk's value blocks (at most one per key)
   const opmath_t* converted[kChunkKeys];  // the same, converted where not read in place
   for (int64_t start = 0; start < span; start += chunk) {
     const int64_t n = std::min(chunk, span - start);
@@ -307,7 +308,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
       in_place[b] = block_at(v_head, start + b * bs, next);
       if constexpr (kTranspose)
         for (int64_t t = 0; t < next.n; ++t) next.ask(t);
-      if constexpr (!kReadInPlace<scalar_t>)
+      if constexpr (!kReadInPlace<cache_t>)
         converted[b] = rows_as_opmath(in_place[b], std::min(bs, n - b * bs), token_stride, D, rows + b * bs * D,
                                       stride);
     }
@@ -331,7 +332,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
       }
       if constexpr (kDot)
         bf16_block_values<R>(ap, p2p, vt2, (n + 1) / 2, D);
-      else if constexpr (kReadInPlace<scalar_t>)
+      else if constexpr (kReadInPlace<cache_t>)
         block_values<R>(ap, pp, in_place, bs, stride, n, D, m == 0 ? next : Ahead{});
       else
         block_values<R>(ap, pp, converted, bs, stride, n, D, m == 0 ? next : Ahead{});
@@ -378,7 +379,7 @@ void merge_partials(const Group& group, const std::vector<Task>& tasks, const Pa
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_table, const int32_t* seq_lens, const int32_t* qsl,
                       const std::vector<int64_t>& seqs, double scale, const Variant& variant) {
@@ -389,8 +390,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   std::vector<Task> tasks;
   std::vector<Group> groups;
   split_tasks(seqs, qsl, seq_lens, Hkv, G, bs, keys_per_task, variant, tasks, groups);
-  const scalar_t* k_cache = kv_cache.const_data_ptr<scalar_t>();
-  const scalar_t* v_cache = k_cache + num_blocks * bs * Hkv * D;
+  const cache_t* k_cache = kv_cache.const_data_ptr<cache_t>();
+  const cache_t* v_cache = k_cache + num_blocks * bs * Hkv * D;
   const scalar_t* q_base = query.const_data_ptr<scalar_t>();
   const int32_t* tables = block_table.const_data_ptr<int32_t>();
   const opmath_t op_scale = static_cast<opmath_t>(scale);
@@ -399,9 +400,9 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   auto run_task = [&](int64_t t, opmath_t* rows) {
     // Decided per sequence, not per task, so a row's arithmetic never depends on how tasks are split.
     const bool transpose = (qsl[tasks[t].seq + 1] - qsl[tasks[t].seq]) * G >= kTransposeMinRows;
-    auto* attend = transpose ? partial_attention<scalar_t, true> : partial_attention<scalar_t, false>;
-    if constexpr (kHasBf16Dot && std::is_same_v<scalar_t, c10::BFloat16>)
-      if (transpose && bf16_dot_head_size(D)) attend = partial_attention<scalar_t, true, true>;
+    auto* attend = transpose ? partial_attention<scalar_t, cache_t, true> : partial_attention<scalar_t, cache_t, false>;
+    if constexpr (kHasBf16Dot && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>)
+      if (transpose && bf16_dot_head_size(D)) attend = partial_attention<scalar_t, cache_t, true, true>;
     attend(
         tasks[t], q_base, query.stride(0), query.stride(1), k_cache, v_cache, tables, block_table.stride(0), seq_lens,
         qsl, G, D, bs, Hkv, keys_per_task, op_scale, variant, rows);
@@ -449,8 +450,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(out.device().is_cpu() && query.device().is_cpu() && kv_cache.device().is_cpu() &&
                   block_table.device().is_cpu() && seq_lens.device().is_cpu() && query_start_loc.device().is_cpu(),
               "paged_attention: CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == kv_cache.scalar_type(),
-              "paged_attention: out, query and kv_cache must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() &&
+                  (kv_cache.scalar_type() == query.scalar_type() ||
+                   (query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kBFloat16)),
+              "paged_attention: out and query must share a dtype, and kv_cache have it too (or be bf16 under fp32)");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "paged_attention: block_table, seq_lens and query_start_loc must be int32");
@@ -503,13 +506,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   }
   if (computed.empty()) return;
 
+  if (query.scalar_type() != kv_cache.scalar_type())  // fp32 over a bf16 cache, as checked above
+    return attention_kernel<float, at::BFloat16>(out, query, kv_cache, block_table, lens, qsl, computed, scale,
+                                                 variant);
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
-      return attention_kernel<float>(out, query, kv_cache, block_table, lens, qsl, computed, scale, variant);
+      return attention_kernel<float, float>(out, query, kv_cache, block_table, lens, qsl, computed, scale, variant);
     case at::kBFloat16:
-      return attention_kernel<at::BFloat16>(out, query, kv_cache, block_table, lens, qsl, computed, scale, variant);
+      return attention_kernel<at::BFloat16, at::BFloat16>(out, query, kv_cache, block_table, lens, qsl, computed,
+                                                          scale, variant);
     case at::kHalf:
-      return attention_kernel<at::Half>(out, query, kv_cache, block_table, lens, qsl, computed, scale, variant);
+      return attention_kernel<at::Half, at::Half>(out, query, kv_cache, block_table, lens, qsl, computed, scale,
+                                                  variant);
     default: TORCH_CHECK(false, "paged_attention: dtype ", kv_cache.scalar_type(), " is not fp32, bf16 or fp16");
   }
 }

@@ -24,8 +24,8 @@
  *     kv_cache[0].flat[slot] = key[t], kv_cache[1].flat[slot] = value[t]  for slot = slot_mapping[t] >= 0
  * (a negative slot is a padding token: skipped), flat = [num_blocks * block_size, Hk, D].
  *   kv_cache contiguous [2, num_blocks, block_size, Hk, D]; key, value [T, Hk, D] of its dtype,
- *   each token's [Hk, D] contiguous (any token stride); slot_mapping int64 [T], every slot
- *   below num_blocks * block_size.
+ *   or fp32 into a bf16 cache (rounded as torch's cast rounds); each token's [Hk, D] contiguous
+ *   (any token stride); slot_mapping int64 [T], every slot below num_blocks * block_size.
  *
  * Everything is checked before any work. At one token (a decode) the ops stay on the calling
  * thread; many tokens (a prefill) split over at::parallel_for by token. Results do not depend on
@@ -120,12 +120,29 @@ void rotary(const at::Tensor& out_q, const at::Tensor& out_k, const at::Tensor& 
 }
 
 void check_kv_input(const at::Tensor& x, const at::Tensor& kv_cache, const char* name) {
-  TORCH_CHECK(x.scalar_type() == kv_cache.scalar_type(), name, " must have the KV cache's dtype ",
-              kv_cache.scalar_type(), ", got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == kv_cache.scalar_type() ||
+                  (x.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kBFloat16),
+              name, " must have the KV cache's dtype ", kv_cache.scalar_type(),
+              " (or float32 into a bfloat16 cache), got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 3 && x.size(1) == kv_cache.size(3) && x.size(2) == kv_cache.size(4) && x.stride(2) == 1 &&
                   x.stride(1) == x.size(2),
               name, " must be [tokens, ", kv_cache.size(3), ", ", kv_cache.size(4),
               "] with each token's heads contiguous");
+}
+
+// Each token's key and value row (`row` units of T from key / value, token strides in T units) into
+// slot slot[t] of the cache's key and value halves (`slots` slots each) through `put(dst, src, row)`;
+// negative slots skipped.
+template <typename T, typename S, typename Put>
+void store_rows(T* cache, const S* kp, const S* vp, int64_t k_stride, int64_t v_stride, const int64_t* slot,
+                int64_t tokens, int64_t slots, int64_t row, const Put& put) {
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;
+      put(cache + slot[t] * row, kp + t * k_stride, row);
+      put(cache + (slots + slot[t]) * row, vp + t * v_stride, row);
+    }
+  });
 }
 
 void store_kv(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
@@ -143,18 +160,20 @@ void store_kv(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   for (int64_t t = 0; t < key.size(0); ++t) {
     TORCH_CHECK(slot[t] < slots, "slot ", slot[t], " beyond the KV cache's ", slots, " slots");
   }
-  const int64_t row = kv_cache.size(3) * kv_cache.size(4) * kv_cache.element_size();  // bytes per slot
-  char* cache = static_cast<char*>(kv_cache.data_ptr());
-  const char* kp = static_cast<const char*>(key.data_ptr());
-  const char* vp = static_cast<const char*>(value.data_ptr());
-  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
-  at::parallel_for(0, key.size(0), 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slot[t] < 0) continue;
-      std::memcpy(cache + slot[t] * row, kp + t * k_stride, row);
-      std::memcpy(cache + (slots + slot[t]) * row, vp + t * v_stride, row);
-    }
-  });
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "key and value must share a dtype");
+  if (key.scalar_type() == kv_cache.scalar_type()) {
+    const int64_t row = kv_cache.size(3) * kv_cache.size(4) * kv_cache.element_size();  // bytes per slot
+    store_rows(static_cast<char*>(kv_cache.data_ptr()), static_cast<const char*>(key.data_ptr()),
+               static_cast<const char*>(value.data_ptr()), key.stride(0) * key.element_size(),
+               value.stride(0) * value.element_size(), slot, key.size(0), slots, row,
+               [](char* dst, const char* src, int64_t bytes) { std::memcpy(dst, src, bytes); });
+    return;
+  }
+  const int64_t n = kv_cache.size(3) * kv_cache.size(4);  // values per slot
+  store_rows(elements<uint16_t>(kv_cache), key.data_ptr<float>(), value.data_ptr<float>(), key.stride(0),
+             value.stride(0), slot, key.size(0), slots, n, [](uint16_t* dst, const float* src, int64_t count) {
+               for (int64_t i = 0; i < count; ++i) dst[i] = narrow<uint16_t>(src[i]);
+             });
 }
 
 }  // namespace

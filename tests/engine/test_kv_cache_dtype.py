@@ -62,6 +62,17 @@ def test_option_parses_and_refuses_what_it_cannot_serve(llama_dir):
         EngineArgs(model=llama_dir, dtype="float16", kv_cache_dtype="bfloat16").create_engine_config()
 
 
+def test_an_fp32_models_bf16_cache_is_refused_on_cuda():
+    """The Triton kernels read the cache in the query's dtype: on CUDA only a bf16 model's cache is bf16."""
+    from types import SimpleNamespace
+
+    cuda = SimpleNamespace(is_cuda=True)
+    args = EngineArgs(model="unused", kv_cache_dtype="bfloat16")
+    assert args._kv_cache_dtype(torch.bfloat16, cuda) == torch.bfloat16
+    with pytest.raises(ValueError, match=r"under a float32 model runs on the CPU backend only"):
+        args._kv_cache_dtype(torch.float32, cuda)
+
+
 def test_cli_flag_reaches_the_config(llama_dir):
     import argparse
 

@@ -188,7 +188,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self._fraction("gpu_memory_utilization", self.gpu_memory_utilization),
             cpu_kvcache_space_bytes=int(space * (1 << 30)) if space else None,
-            cache_dtype=self._kv_cache_dtype(model_config.dtype),
+            cache_dtype=self._kv_cache_dtype(model_config.dtype, platform),
         )
         return VllmConfig(
             model_config=model_config,
@@ -210,17 +210,21 @@ class EngineArgs:
                         str(stored).removeprefix("torch.") if stored else "unknown", why)
         return dtype
 
-    def _kv_cache_dtype(self, model_dtype: torch.dtype) -> Optional[torch.dtype]:
-        """None (the model's dtype) for auto; bfloat16 under a float32 or bfloat16 model."""
+    def _kv_cache_dtype(self, model_dtype: torch.dtype, platform) -> Optional[torch.dtype]:
+        """None (the model's dtype) for auto; bfloat16 under a bfloat16 model, or a float32 one on
+        the CPU (the Triton kernels read the cache in the query's dtype)."""
         if self.kv_cache_dtype in ("auto", None):
             return None
         if self.kv_cache_dtype != "bfloat16":
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; supported: auto (the model's "
                              "dtype) or bfloat16.")
+        name = str(model_dtype).removeprefix("torch.")
         if model_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"--kv-cache-dtype bfloat16 needs a float32 or bfloat16 model; this one runs "
-                             f"{str(model_dtype).removeprefix('torch.')} (use --kv-cache-dtype auto, or --dtype "
-                             "bfloat16).")
+            raise ValueError(f"--kv-cache-dtype bfloat16 needs a float32 or bfloat16 model; this one runs {name} (use "
+                             "--kv-cache-dtype auto, or --dtype bfloat16).")
+        if platform.is_cuda and model_dtype != torch.bfloat16:
+            raise ValueError(f"--kv-cache-dtype bfloat16 under a {name} model runs on the CPU backend only; on CUDA "
+                             "use --dtype bfloat16, whose cache is bf16 already.")
         return torch.bfloat16
 
     def _quantization(self, platform) -> Optional[str]:

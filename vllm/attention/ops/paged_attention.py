@@ -24,9 +24,7 @@ Semantics (identical to vllm/attention/backends/torch_ref.paged_attention):
 Invariants:
 - Everything is read from the cache: store_kv has already written this step's keys.
 - Scores, softmax statistics and the output accumulator are fp32; probabilities are
-  cast to the query dtype only as a tl.dot operand. Keys and values are loaded in the
-  cache's dtype and widened to the query's where the cache is narrower (a bf16 cache
-  under an fp32 model).
+  cast to the value dtype only as a tl.dot operand.
 - The G query heads that share a kv head are packed into the rows of one tile, so each
   K/V tile is loaded once per kv head, not once per query head.
 - Head sizes that are not a power of two (or below 16) are padded with masked lanes;
@@ -92,7 +90,7 @@ def _attend_tile(
     slot = block * block_size + pos % block_size
     kv_off = slot[:, None] * stride_c_slot + dims[None, :]  # [BLOCK_N, BLOCK_D]
     kv_mask = pos_ok[:, None] & (dims[None, :] < head_size)
-    k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # a narrower cache widened
+    k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if SOFT_CAP:
         # C * tanh(s / C) with tanh(|y|) = (1 - e) / (1 + e), e = exp(-2|y|) in (0, 1]: no
@@ -109,7 +107,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 

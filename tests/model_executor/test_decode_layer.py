@@ -1,11 +1,13 @@
-"""The native decoder layer for CPU decodes (vllm/model_executor/layers/decode_layer.py,
-vllm/csrc/cpu/decode_layer.cpp): which layers it takes, and that where it runs the engine's
-tokens and logprobs are bitwise those of the Python layers it replaces (fp32, bf16, int8, int4,
-qkv biases, Granite's multipliers, a sliding window, batched decodes)."""
+"""The native decoder layers for CPU decodes (vllm/model_executor/layers/decode_layer.py,
+vllm/csrc/cpu/decode_layer.cpp): which layers it takes, one call per run of consecutive native
+layers and step, and that where it runs the engine's tokens and logprobs are bitwise those of the
+Python layers it replaces (fp32, bf16, int8, int4, qkv biases, Granite's multipliers, a sliding
+window, batched decodes, a run broken by a layer that stays Python)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
@@ -22,14 +24,15 @@ def _layers(llm: LLM) -> list:
 
 
 def _count_calls(monkeypatch) -> list[int]:
+    """The rows of every native call (one per run of layers and step)."""
     calls = []
-    real = decode_layer.NativeDecodeLayer.__call__
+    real = decode_layer.NativeDecodeStack.__call__
 
     def counting(self, positions, hidden, *args):
         calls.append(hidden.shape[0])
         return real(self, positions, hidden, *args)
 
-    monkeypatch.setattr(decode_layer.NativeDecodeLayer, "__call__", counting)
+    monkeypatch.setattr(decode_layer.NativeDecodeStack, "__call__", counting)
     return calls
 
 
@@ -68,6 +71,29 @@ def test_native_layers_give_the_python_layers_bits(arch, engine, checkpoints, to
     assert all(layer._native_decode is not None for layer in layers[1:])  # the first has no residual yet
     assert calls and max(calls) <= layers[1]._native_decode.max_rows and 3 in calls  # batched decodes ran natively
     assert native == python  # tokens and logprobs, bit for bit
+
+
+def test_one_call_per_run_of_native_layers_and_step(tmp_path, tokenizer, monkeypatch):
+    """Five layers, the third kept Python (as a layer outside the plain form would be): runs [1]
+    and [3, 4], two native calls a decode step, and the Python layers' bits."""
+    from tests.utils.checkpoints import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path / "llama5"), "llama", num_hidden_layers=5)
+    calls = _count_calls(monkeypatch)
+    llm = LLM(path, max_model_len=128, dtype="float32")
+    layers = _layers(llm)
+    layers[2]._native_decode, layers[2]._native_decode_built = None, True  # before the first forward
+    native, python = _both_paths(llm, tokenizer)
+    runs = llm.llm_engine.engine_core.runner.model.model._native_runs
+    assert {start: stack.layers for start, stack in runs.items()} == {1: [layers[1]], 3: layers[3:5]}
+    assert calls and len(calls) % 2 == 0 and native == python
+
+
+def test_a_stack_refuses_arguments_that_are_not_whole_layers():
+    assert decode_layer.native_available()
+    weights = [torch.ones(1)] * 16
+    with pytest.raises(RuntimeError, match="expected 16 weights, 12 ints and 4 floats per layer, got 16, 11 and 4"):
+        torch.classes.vllm_layer.DecodeStack(weights, [0] * 11, [0.0] * 4)
 
 
 def test_prefills_and_long_chunks_stay_python(llama_dir, tokenizer, monkeypatch):

@@ -1,12 +1,15 @@
 /*
- * One Llama-style decoder layer for a few rows (decodes) on the CPU, as one call: the same kernels
- * the layer's Python runs (fused RMSNorm, dense GEMV or quantized linears, rotary, KV store,
- * paged attention, SiLU and product), in the same order on the same tensors, so the result is
- * bit for bit the Python layer's. Built and loaded by vllm/model_executor/layers/decode_layer.py,
- * which decides which layers qualify and passes their weights.
+ * Consecutive Llama-style decoder layers for a few rows (decodes) on the CPU, as one call: per
+ * layer the same kernels the layer's Python runs (fused RMSNorm, dense GEMV or quantized linears,
+ * rotary, KV store, paged attention, SiLU and product), in the same order on the same tensors, so
+ * the result is bit for bit the Python layers'. Built and loaded by
+ * vllm/model_executor/layers/decode_layer.py, which decides which layers qualify and hands their
+ * weights to a DecodeStack once; a step then passes only its activations, caches and metadata.
  *
  * Why: a 135M model's layer is ~0.3 ms of arithmetic and ~0.2 ms of Python (module calls, views,
- * dispatch of ~40 ops); here the ops are called through the dispatcher from C++.
+ * dispatch of ~40 ops); here the ops are called through the dispatcher from C++, and the
+ * per-layer Python that remained around one native call per layer (the module call, its checks,
+ * converting 16 weights: ~20 us a layer) is paid once per run of layers.
  *
  * Semantics (LlamaDecoderLayer.forward with a residual, models/llama.py):
  *   hidden <- hidden + residual;  h = rms_norm(hidden)                       (input_layernorm)
@@ -19,11 +22,11 @@
  *   linear(x, W) is the engine's few-row linear: dense (fp32 out of the GEMV, in the model dtype)
  *   or int8 / int4 (quantization.py's quantized_linear without GGUF offsets), bias included.
  *
- * Arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o, gate_up, down)
- * its weight (dense) or qweight, its scales (quantized; empty otherwise), its bias (or empty)];
- * ints = [H, Hkv, D, sliding_window, then per linear its kind (0 dense, 8 int8, 4 int4) and
- * group]; floats = [input eps, post eps, attention scale, residual multiplier]. The kernels check
- * their own inputs.
+ * A layer's arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o,
+ * gate_up, down) its weight (dense) or qweight, its scales (quantized; empty otherwise), its bias
+ * (or empty)]; ints = [H, Hkv, D, sliding_window, then per linear its kind (0 dense, 8 int8, 4
+ * int4) and group]; floats = [input eps, post eps, attention scale, residual multiplier]. A
+ * DecodeStack holds them concatenated, layer after layer. The kernels check their own inputs.
  */
 
 #include <ATen/ATen.h>
@@ -33,6 +36,8 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -86,17 +91,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+constexpr size_t kWeights = 16, kInts = 12, kFloats = 4;  // one layer's arguments
+
+// What every layer of a step shares: the positions as int64 and the metadata, contiguous.
+struct Step {
+  at::Tensor positions, slot_mapping, block_table, seq_lens, query_start_loc;
+};
+
 std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const at::Tensor& residual,
-                                                const at::Tensor& positions, const at::Tensor& kv_cache,
-                                                const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                                at::TensorList weights, at::IntArrayRef ints,
-                                                at::ArrayRef<double> floats) {
-  TORCH_CHECK(weights.size() == 16 && ints.size() == 12 && floats.size() == 4,
-              "decode_layer: expected 16 weights, 12 ints and 4 floats, got ", weights.size(), ", ", ints.size(),
-              " and ", floats.size());
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes(),
-              "decode_layer: hidden and residual must be contiguous [rows, hidden] of one shape");
+                                                const at::Tensor& kv_cache, const Step& step, at::TensorList weights,
+                                                at::IntArrayRef ints, at::ArrayRef<double> floats) {
   const int64_t H = ints[0], Hkv = ints[1], D = ints[2], window = ints[3], n = hidden.size(0);
   const auto lin = [&](const at::Tensor& x, int i) {
     return linear(x, weights[4 + 3 * i], weights[5 + 3 * i], weights[6 + 3 * i], ints[4 + 2 * i], ints[5 + 2 * i]);
@@ -110,15 +114,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
   const at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({n, Hkv, D});
   const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({n, Hkv, D});
   at::Tensor rq = at::empty({n, H, D}, q.options()), rk = at::empty({n, Hkv, D}, k.options());
-  const at::Tensor pos = positions.scalar_type() == at::kLong && positions.is_contiguous()
-                             ? positions
-                             : positions.to(at::kLong).contiguous();
-  rotary_op().call(rq, rk, q, k, pos, weights[2], weights[3]);
-  store_op().call(kv_cache, rk, v, slot_mapping.is_contiguous() ? slot_mapping : slot_mapping.contiguous());
+  rotary_op().call(rq, rk, q, k, step.positions, weights[2], weights[3]);
+  store_op().call(kv_cache, rk, v, step.slot_mapping);
   at::Tensor attn = at::empty_like(rq);  // [n, H, D]
   // max_query_len n: no sequence has more query rows than the step, so every row is computed.
-  attention_op().call(attn, rq, kv_cache, block_table, seq_lens, query_start_loc, n, floats[2], window, 0.0,
-                       std::nullopt);
+  attention_op().call(attn, rq, kv_cache, step.block_table, step.seq_lens, step.query_start_loc, n, floats[2],
+                       window, 0.0, std::nullopt);
 
   const double multiplier = floats[3];
   at::Tensor o = lin(attn.view({n, H * D}), 1);
@@ -134,13 +135,51 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
   return {out, o};
 }
 
+// A run of layers' arguments, concatenated, held for the engine's lifetime (the weights are the
+// model's own tensors, not copies).
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+
+  DecodeStack(std::vector<at::Tensor> weights_, std::vector<int64_t> ints_, std::vector<double> floats_)
+      : weights(std::move(weights_)), ints(std::move(ints_)), floats(std::move(floats_)) {
+    const size_t layers = ints.size() / kInts;
+    TORCH_CHECK(layers > 0 && weights.size() == layers * kWeights && ints.size() == layers * kInts &&
+                    floats.size() == layers * kFloats,
+                "DecodeStack: expected 16 weights, 12 ints and 4 floats per layer, got ", weights.size(), ", ",
+                ints.size(), " and ", floats.size());
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(ints.size() / kInts); }
+
+  // The layers one after the other: returns (hidden, residual) after the last.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor residual, const at::Tensor& positions,
+                                             std::vector<at::Tensor> kv_caches, const at::Tensor& slot_mapping,
+                                             const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                             const at::Tensor& query_start_loc) const {
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "DecodeStack: ", num_layers(),
+                " layers, got ", kv_caches.size(), " KV caches");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes(),
+                "DecodeStack: hidden and residual must be contiguous [rows, hidden] of one shape");
+    const Step step{positions.to(at::kLong).contiguous(), slot_mapping.contiguous(), block_table, seq_lens,
+                    query_start_loc};
+    const at::TensorList all_weights(weights);
+    const at::IntArrayRef all_ints(ints);
+    const at::ArrayRef<double> all_floats(floats);
+    for (int64_t l = 0; l < num_layers(); ++l)
+      std::tie(hidden, residual) =
+          decode_layer(hidden, residual, kv_caches[l], step, all_weights.slice(l * kWeights, kWeights),
+                       all_ints.slice(l * kInts, kInts), all_floats.slice(l * kFloats, kFloats));
+    return {hidden, residual};
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_layer, m) {
-  m.def(
-      "decode_layer(Tensor(a!) hidden, Tensor residual, Tensor positions, Tensor(b!) kv_cache, Tensor slot_mapping, "
-      "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, Tensor[] weights, int[] ints, float[] floats) "
-      "-> (Tensor, Tensor)");
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
 }
-
-TORCH_LIBRARY_IMPL(vllm_layer, CPU, m) { m.impl("decode_layer", TORCH_FN(decode_layer)); }

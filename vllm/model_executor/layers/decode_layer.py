@@ -1,9 +1,12 @@
-"""A Llama-style decoder layer's few-row forward (decodes) as one native call on the CPU
-(vllm/csrc/cpu/decode_layer.cpp): the kernels the layer's Python runs, in the same order on the
-same tensors, so its output is bit for bit the Python layer's; only the Python between them
-(module calls, views, the dispatch of ~40 ops: ~0.2 ms a layer on a 2-core EPYC) is gone.
+"""Llama-style decoder layers' few-row forward (decodes) as one native call on the CPU
+(vllm/csrc/cpu/decode_layer.cpp): per layer the kernels its Python runs, in the same order on the
+same tensors, so the output is bit for bit the Python layers'; only the Python between them
+(module calls, views, the dispatch of ~40 ops: ~0.2 ms a layer on a 2-core EPYC) is gone. A run
+of consecutive qualifying layers is one `NativeDecodeStack`, one call per step for all of them
+(`runs` finds the runs; models/llama.py's LlamaModel calls them).
 
-When it runs (`NativeDecodeLayer.build` decides once per layer, `takes` per call):
+When a layer qualifies (`NativeDecodeLayer.build` decides once per layer, the stack's `takes`
+per step for its whole run):
   - on the CPU, every kernel it calls built, not under VLLM_USE_TORCH_REFERENCE_OPS;
   - a plain layer: native RMSNorm for both norms, no q/k norm or clipping, native rotary, no
     attention sinks or soft cap (a sliding window is fine), LlamaMLP with SiLU, the native CPU
@@ -11,7 +14,8 @@ When it runs (`NativeDecodeLayer.build` decides once per layer, `takes` per call
   - its four linears `Linear`s, or LoRA wrappers of them (lora/layers.py), without a
     tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
     GGUF offsets;
-  - per call: a residual (every layer but the first), no more rows than each of its linears
+  - its `native_decode_allowed` (True unless a test or benchmark turns the native path off);
+  - per step: a residual (every layer but the first), no more rows than each of its linears
     takes natively (dense_gemv.native_max_rows, quantization.NATIVE_MAX_ROWS) in the layer's
     dtype, no padding rows, the layer still holding the modules it was built from, and
     no adapter in the step (`punica.meta.has_lora` false: a wrapper then adds nothing to its
@@ -105,16 +109,52 @@ class NativeDecodeLayer:
         floats = [norms[0].eps, norms[1].eps, attn.attn.scale, layer.residual_multiplier]
         return cls(layer, weights, ints, floats, min(rows for _, _, rows in linears))
 
-    def takes(self, hidden: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata) -> bool:
+
+
+class NativeDecodeStack:
+    """Consecutive decoder layers, each with a native form, run by one native call (the
+    DecodeStack of decode_layer.cpp, which holds their weights)."""
+
+    def __init__(self, layers: list, natives: list[NativeDecodeLayer]):
+        self.layers = layers
+        self.dtype = natives[0].dtype
+        self.max_rows = min(native.max_rows for native in natives)
+        self._modules = [entry for native in natives for entry in native._modules]
+        self._punicas = list({id(p): p for native in natives for p in native._punicas}.values())
+        self._stack = torch.classes.vllm_layer.DecodeStack([w for native in natives for w in native.weights],
+                                                           [i for native in natives for i in native.ints],
+                                                           [f for native in natives for f in native.floats])
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def takes(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], meta: AttentionMetadata) -> bool:
         n = hidden.shape[0]
-        return (n <= self.max_rows and meta.num_actual_tokens == n and hidden.dtype == self.dtype
-                and hidden.is_contiguous() and residual.is_contiguous()
+        return (residual is not None and n <= self.max_rows and meta.num_actual_tokens == n
+                and hidden.dtype == self.dtype and hidden.is_contiguous() and residual.is_contiguous()
+                and all(layer.native_decode_allowed for layer in self.layers)
                 and not any(punica.meta.has_lora for punica in self._punicas)
                 and all(getattr(owner, name) is module for owner, name, module in self._modules))
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
-        return torch.ops.vllm_layer.decode_layer(hidden, residual, positions, kv_cache, meta.slot_mapping[:n],
-                                                 meta.block_table, meta.seq_lens, meta.query_start_loc,
-                                                 self.weights, self.ints, self.floats)
+        return self._stack.forward(hidden, residual, positions, kv_caches, meta.slot_mapping[:n], meta.block_table,
+                                   meta.seq_lens, meta.query_start_loc)
+
+
+def runs(layers) -> dict[int, NativeDecodeStack]:
+    """First layer index -> the stack of each maximal run of consecutive layers with a native form
+    (never the first layer, which has no residual; other decoder classes, without
+    `native_decode_allowed`, have none)."""
+    natives = [None] + [layer._native_decode_layer() if hasattr(layer, "native_decode_allowed") else None
+                        for layer in layers[1:]]
+    stacks: dict[int, NativeDecodeStack] = {}
+    start = None
+    for i, native in enumerate(natives + [None]):
+        if native is not None and start is None:
+            start = i
+        elif native is None and start is not None:
+            stacks[start] = NativeDecodeStack(list(layers[start:i]), natives[start:i])
+            start = None
+    return stacks

@@ -27,7 +27,8 @@ from torch import nn
 from vllm.attention.layer import Attention
 from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.variant import AttentionVariant
-from vllm.model_executor.layers.decode_layer import NativeDecodeLayer
+from vllm.model_executor.layers.decode_layer import NativeDecodeLayer, NativeDecodeStack
+from vllm.model_executor.layers.decode_layer import runs as native_runs
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear, default_weight_loader
 from vllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
@@ -218,10 +219,6 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None and self.native_decode_allowed and hidden_states.is_cpu:
-            native = self._native_decode_layer()
-            if native is not None and native.takes(hidden_states, residual, attn_metadata):
-                return native(positions, hidden_states, residual, kv_cache, attn_metadata)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -238,6 +235,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # First layer -> one native call for a run of layers (layers/decode_layer.py), found at the
+    # first CPU forward, when the weights are in place (a class default: subclasses that build
+    # their own layers skip __init__).
+    _native_runs: Optional[dict[int, NativeDecodeStack]] = None
+
     def __init__(self, config: Any, options: DecoderOptions, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.embedding_multiplier = options.embedding_multiplier
@@ -264,9 +266,21 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             hidden_states.mul_(self.embedding_multiplier)  # F.embedding returns a fresh tensor
+        if self._native_runs is None and hidden_states.is_cpu:
+            self._native_runs = native_runs(self.layers)
+        stacks = self._native_runs if hidden_states.is_cpu else {}
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        assert len(kv_caches) == len(self.layers)
+        i = 0
+        while i < len(self.layers):
+            stack = stacks.get(i)
+            if stack is not None and stack.takes(hidden_states, residual, attn_metadata):
+                hidden_states, residual = stack(positions, hidden_states, residual, kv_caches[i:i + len(stack)],
+                                                attn_metadata)
+                i += len(stack)
+                continue
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual, kv_caches[i], attn_metadata)
+            i += 1
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -68,14 +68,15 @@ def test_native_layers_give_the_python_layers_bits(arch, engine, checkpoints, to
     llm = LLM(checkpoints[arch], max_model_len=128, **engine)
     native, python = _both_paths(llm, tokenizer)
     layers = _layers(llm)
-    assert all(layer._native_decode is not None for layer in layers[1:])  # the first has no residual yet
+    assert all(layer._native_decode is not None for layer in layers)  # the first with a zero residual
     assert calls and max(calls) <= layers[1]._native_decode.max_rows and 3 in calls  # batched decodes ran natively
     assert native == python  # tokens and logprobs, bit for bit
 
 
 def test_one_call_per_run_of_native_layers_and_step(tmp_path, tokenizer, monkeypatch):
-    """Five layers, the third kept Python (as a layer outside the plain form would be): runs [1]
-    and [3, 4], two native calls a decode step, and the Python layers' bits."""
+    """Five layers, the third kept Python (as a layer outside the plain form would be): runs [0, 1]
+    (the first layer with a zero residual) and [3, 4], two native calls a decode step, and the
+    Python layers' bits."""
     from tests.utils.checkpoints import make_checkpoint
 
     path = make_checkpoint(str(tmp_path / "llama5"), "llama", num_hidden_layers=5)
@@ -85,7 +86,7 @@ def test_one_call_per_run_of_native_layers_and_step(tmp_path, tokenizer, monkeyp
     layers[2]._native_decode, layers[2]._native_decode_built = None, True  # before the first forward
     native, python = _both_paths(llm, tokenizer)
     runs = llm.llm_engine.engine_core.runner.model.model._native_runs
-    assert {start: stack.layers for start, stack in runs.items()} == {1: [layers[1]], 3: layers[3:5]}
+    assert {start: stack.layers for start, stack in runs.items()} == {0: layers[0:2], 3: layers[3:5]}
     assert calls and len(calls) % 2 == 0 and native == python
 
 
@@ -114,7 +115,7 @@ def test_a_layer_takes_no_more_rows_than_its_linears(llama_dir, tokenizer, monke
         llm = LLM(llama_dir, max_model_len=128, dtype="float32")
         calls.clear()
         native, python = _both_paths(llm, tokenizer)
-        assert all(layer._native_decode.max_rows == limit for layer in _layers(llm)[1:])
+        assert all(layer._native_decode.max_rows == limit for layer in _layers(llm))
         assert bool(calls) == native_steps and native == python
         del llm
 

@@ -15,7 +15,7 @@ per step for its whole run):
     tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
     GGUF offsets;
   - its `native_decode_allowed` (True unless a test or benchmark turns the native path off);
-  - per step: a residual (every layer but the first), no more rows than each of its linears
+  - per step: no more rows than each of its linears
     takes natively (dense_gemv.native_max_rows, quantization.NATIVE_MAX_ROWS) in the layer's
     dtype, no padding rows, the layer still holding the modules it was built from, and
     no adapter in the step (`punica.meta.has_lora` false: a wrapper then adds nothing to its
@@ -130,25 +130,28 @@ class NativeDecodeStack:
 
     def takes(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], meta: AttentionMetadata) -> bool:
         n = hidden.shape[0]
-        return (residual is not None and n <= self.max_rows and meta.num_actual_tokens == n
-                and hidden.dtype == self.dtype and hidden.is_contiguous() and residual.is_contiguous()
+        return (n <= self.max_rows and meta.num_actual_tokens == n
+                and hidden.dtype == self.dtype and hidden.is_contiguous()
+                and (residual is None or residual.is_contiguous())
                 and all(layer.native_decode_allowed for layer in self.layers)
                 and not any(punica.meta.has_lora for punica in self._punicas)
                 and all(getattr(owner, name) is module for owner, name, module in self._modules))
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor,
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual None (the first layer): a zero residual, which the fused add-norm turns into the
+        Python layer's norm of the hidden state and the hidden state as the residual, the same values."""
         n = hidden.shape[0]
+        if residual is None:
+            residual = torch.zeros_like(hidden)
         return self._stack.forward(hidden, residual, positions, kv_caches, meta.slot_mapping[:n], meta.block_table,
                                    meta.seq_lens, meta.query_start_loc)
 
 
 def runs(layers) -> dict[int, NativeDecodeStack]:
     """First layer index -> the stack of each maximal run of consecutive layers with a native form
-    (never the first layer, which has no residual; other decoder classes, without
-    `native_decode_allowed`, have none)."""
-    natives = [None] + [layer._native_decode_layer() if hasattr(layer, "native_decode_allowed") else None
-                        for layer in layers[1:]]
+    (other decoder classes, without `native_decode_allowed`, have none)."""
+    natives = [layer._native_decode_layer() if hasattr(layer, "native_decode_allowed") else None for layer in layers]
     stacks: dict[int, NativeDecodeStack] = {}
     start = None
     for i, native in enumerate(natives + [None]):

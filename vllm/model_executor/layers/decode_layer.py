@@ -17,11 +17,15 @@ per step for its whole run):
   - its `native_decode_allowed` (True unless a test or benchmark turns the native path off);
   - per step: no more rows than each of its linears
     takes natively (dense_gemv.native_max_rows, quantization.NATIVE_MAX_ROWS) in the layer's
-    dtype, no padding rows, the layer still holding the modules it was built from, and
-    no adapter in the step (`punica.meta.has_lora` false: a wrapper then adds nothing to its
+    dtype, no padding rows, and no adapter in the step (`punica.meta.has_lora` false: a wrapper then adds nothing to its
     base layer's product, so an engine with --enable-lora decodes base-only steps natively and
     every step with an adapter row, aLoRA's included, in Python).
 Anything else runs the Python layer, which stays the reference.
+
+Invariant: a layer's native form is built at the model's first CPU forward, after
+ModelRunner.load_model has wrapped the linears for LoRA and packed them for oneDNN; nothing
+replaces a layer's modules after that, so the per-step check does not look at them (it did, at
+~0.14 ms a step for 120 linears).
 """
 
 from __future__ import annotations
@@ -71,12 +75,9 @@ def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
 class NativeDecodeLayer:
     def __init__(self, layer, weights: list[torch.Tensor], ints: list[int], floats: list[float], max_rows: int):
         attn, mlp = layer.self_attn, layer.mlp
-        # What `takes` checks each call: the layer still holds these (a LoRA wrapper would replace them).
-        self._modules = [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj),
-                         (mlp, "gate_up_proj", mlp.gate_up_proj), (mlp, "down_proj", mlp.down_proj)]
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         # The adapter mappings of wrapped linears (one per engine): a step with an adapter row runs Python.
-        self._punicas = list({id(m.punica): m.punica for _, _, m in self._modules
-                              if type(m) is LinearWithLoRA}.values())
+        self._punicas = list({id(m.punica): m.punica for m in linears if type(m) is LinearWithLoRA}.values())
         self.dtype = layer.input_layernorm.weight.dtype
         self.weights, self.ints, self.floats = weights, ints, floats
         self.max_rows = max_rows  # more rows than a linear runs natively: Python's product would differ
@@ -119,7 +120,6 @@ class NativeDecodeStack:
         self.layers = layers
         self.dtype = natives[0].dtype
         self.max_rows = min(native.max_rows for native in natives)
-        self._modules = [entry for native in natives for entry in native._modules]
         self._punicas = list({id(p): p for native in natives for p in native._punicas}.values())
         self._stack = torch.classes.vllm_layer.DecodeStack([w for native in natives for w in native.weights],
                                                            [i for native in natives for i in native.ints],
@@ -134,8 +134,7 @@ class NativeDecodeStack:
                 and hidden.dtype == self.dtype and hidden.is_contiguous()
                 and (residual is None or residual.is_contiguous())
                 and all(layer.native_decode_allowed for layer in self.layers)
-                and not any(punica.meta.has_lora for punica in self._punicas)
-                and all(getattr(owner, name) is module for owner, name, module in self._modules))
+                and not any(punica.meta.has_lora for punica in self._punicas))
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

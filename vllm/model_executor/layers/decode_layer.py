@@ -15,11 +15,11 @@ per step for its whole run):
     tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
     GGUF offsets;
   - its `native_decode_allowed` (True unless a test or benchmark turns the native path off);
-  - per step: no more rows than each of its linears
-    takes natively (dense_gemv.native_max_rows, quantization.NATIVE_MAX_ROWS) in the layer's
-    dtype, no padding rows, and no adapter in the step (`punica.meta.has_lora` false: a wrapper then adds nothing to its
-    base layer's product, so an engine with --enable-lora decodes base-only steps natively and
-    every step with an adapter row, aLoRA's included, in Python).
+  - per step: no more rows than each of its linears takes natively (dense_gemv.native_max_rows,
+    quantization.NATIVE_MAX_ROWS) in the layer's dtype, no padding rows, and no adapter in the
+    step (`punica.meta.has_lora` false: a wrapper then adds nothing to its base layer's product,
+    so an engine with --enable-lora decodes base-only steps natively and every step with an
+    adapter row, aLoRA's included, in Python). The first layer takes a zero residual.
 Anything else runs the Python layer, which stays the reference.
 
 Invariant: a layer's native form is built at the model's first CPU forward, after
@@ -109,7 +109,6 @@ class NativeDecodeLayer:
             ints += numbers
         floats = [norms[0].eps, norms[1].eps, attn.attn.scale, layer.residual_multiplier]
         return cls(layer, weights, ints, floats, min(rows for _, _, rows in linears))
-
 
 
 class NativeDecodeStack:

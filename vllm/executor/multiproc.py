@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import socket
 import threading
+import time
 import weakref
 from typing import Any, Callable, Optional
 
@@ -50,6 +51,10 @@ from vllm.worker.model_runner import ModelRunner
 logger = init_logger(__name__)
 
 _WATCH_INTERVAL_S = 0.5
+# How long a failure report waits for the workers to be seen exited: a rank killed mid-step breaks
+# rank 0's collective before the OS has reaped it, and the report should name that rank, not the
+# collective's connection error (a loaded CI machine showed the gap).
+_REAP_WAIT_S = 2.0
 _JOIN_TIMEOUT_S = 10.0
 
 
@@ -206,6 +211,9 @@ class MultiprocExecutor:
             raise TensorParallelError(f"a tensor-parallel worker is gone ({self._failure_report(e)})") from e
 
     def _failure_report(self, error: BaseException) -> str:
+        deadline = time.monotonic() + _REAP_WAIT_S
+        for worker in self.workers:  # a live worker costs the wait once; a dead one returns at once
+            worker.process.join(max(0.0, deadline - time.monotonic()))
         dead = [f"rank {w.rank} exited with code {w.process.exitcode}" for w in self.workers
                 if not w.process.is_alive()]
         reported = [text for w in self.workers if (text := w.error())]

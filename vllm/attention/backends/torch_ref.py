@@ -141,19 +141,20 @@ def prefill_attention(
         start, end, kv_len = qsl[i], qsl[i + 1], seq_lens[i]
         if end - start < min_query_len:
             continue
-        if kv_len == end - start:  # no cached prefix: the new keys, as the cache holds them, are all there is
-            k = _as_stored(key[start:end], kv_cache, query.dtype)  # [q_len, Hkv, D]
-            v = _as_stored(value[start:end], kv_cache, query.dtype)
-        if kv_len == end - start and variant.is_plain:
+        if kv_len != end - start:
+            out[start:end] = _attend_with_context(query[start:end], kv_cache, meta.block_table[i], kv_len, scale,
+                                                  variant)
+            continue
+        # No cached prefix: the new keys, as the cache holds them, are all there is.
+        k = _as_stored(key[start:end], kv_cache, query.dtype)  # [q_len, Hkv, D]
+        v = _as_stored(value[start:end], kv_cache, query.dtype)
+        if variant.is_plain:
             q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             o = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                                                is_causal=True, scale=scale, enable_gqa=gqa)
             out[start:end] = o[0].transpose(0, 1)
-        elif kv_len == end - start:
-            out[start:end] = _attend_window(query[start:end], k, v, 0, scale, variant)
         else:
-            out[start:end] = _attend_with_context(query[start:end], kv_cache, meta.block_table[i], kv_len, scale,
-                                                  variant)
+            out[start:end] = _attend_window(query[start:end], k, v, 0, scale, variant)
 
 
 def _attend_window(

@@ -180,6 +180,5 @@ struct DecodeStack : torch::CustomClassHolder {
 TORCH_LIBRARY(vllm_layer, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
-      .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward);
 }

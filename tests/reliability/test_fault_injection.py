@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
@@ -115,8 +116,16 @@ def test_step_fatal_kills_the_async_engine(llama_dir, monkeypatch):
     llm = AsyncLLM(engine)
 
     async def run():
-        running = await llm.add_request("running", "hello", GREEDY)
-        waiting = await llm.add_request("waiting", "hello there", GREEDY)
+        # Hold the engine thread until both requests are queued: otherwise, on a loaded machine, it
+        # can run steps 1 and 2 before the second request arrives, and that request is refused at
+        # add_request instead of failing in the queue, which is what this test is about.
+        gate = threading.Event()
+        llm._commands.put((gate.wait, (), None, None))
+        adds = [asyncio.ensure_future(llm.add_request("running", "hello", GREEDY)),
+                asyncio.ensure_future(llm.add_request("waiting", "hello there", GREEDY))]
+        await asyncio.sleep(0)  # both adds reach the command queue (the put comes before their first await)
+        gate.set()
+        running, waiting = await asyncio.gather(*adds)
         for stream in (running, waiting):
             with pytest.raises(EngineDeadError, match="Injected fatal fault at model step 2"):
                 await asyncio.wait_for(stream.collect(), timeout=30)

@@ -25,21 +25,26 @@ GRANITE_8B_SHAPE = dict(
     embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=16.0,
     bos_token_id=0, eos_token_id=0, pad_token_id=0, torch_dtype="bfloat16",
 )
+# Granite-3.3-2B's shapes: a model a laptop runs, whose linears dominate a decode step (on the
+# packaged 135M model the embedding-sized LM head and the KV weigh as much as the linears).
+GRANITE_2B_SHAPE = {**GRANITE_8B_SHAPE, "hidden_size": 2048, "intermediate_size": 8192,
+                    "attention_multiplier": 0.015625, "logits_scaling": 8.0}
+DUMMY_SHAPES = {"granite-3.3-8b": GRANITE_8B_SHAPE, "granite-3.3-2b": GRANITE_2B_SHAPE}
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def granite_8b_dummy_dir(root: str) -> str:
-    """A folder with a Granite-3.3-8B-shaped config and the default model's tokenizer
+def dummy_dir(root: str, shape: str) -> str:
+    """A folder with the config of DUMMY_SHAPES[shape] and the default model's tokenizer
     (token ids are random anyway): for `load_format="dummy"` runs."""
     from vllm.model_executor.default_model import ensure_default_model
 
-    path = os.path.join(root, "granite-3.3-8b-shape")
+    path = os.path.join(root, f"{shape}-shape")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(GRANITE_8B_SHAPE, f)
+        json.dump(DUMMY_SHAPES[shape], f)
     source = ensure_default_model()
     for name in os.listdir(source):
         if name.startswith("tokenizer") or name == "special_tokens_map.json":
@@ -187,8 +192,11 @@ INTRINSIC_NAMES = ["certainty", "answerability", "hallucination", "citation", "s
 def add_model_args(parser) -> None:
     """The flags every benchmark shares: model choice, threads, JSON output."""
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
-    parser.add_argument("--granite-8b-dummy", action="store_true",
+    shapes = parser.add_mutually_exclusive_group()
+    shapes.add_argument("--granite-8b-dummy", dest="dummy", action="store_const", const="granite-3.3-8b",
                         help="Granite-3.3-8B shapes, random bf16 weights (load_format=dummy; for a GPU)")
+    shapes.add_argument("--granite-2b-dummy", dest="dummy", action="store_const", const="granite-3.3-2b",
+                        help="Granite-3.3-2B shapes, random bf16 weights (load_format=dummy; a CPU's size)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="model dtype (default: the engine's, fp32 on CPU and bf16 on GPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -206,10 +214,10 @@ def engine_kwargs(args) -> dict:
 
 
 def resolve_model(args, root: Optional[str] = None) -> tuple[str, dict]:
-    """(model folder, extra LLM kwargs) for --model / --granite-8b-dummy / the default model."""
+    """(model folder, extra LLM kwargs) for --model / --granite-*-dummy / the default model."""
     kwargs = engine_kwargs(args)
-    if args.granite_8b_dummy:
-        return granite_8b_dummy_dir(root or _tmpdir()), {"load_format": "dummy", **kwargs}
+    if args.dummy:
+        return dummy_dir(root or _tmpdir(), args.dummy), {"load_format": "dummy", **kwargs}
     from vllm.model_executor.default_model import ensure_default_model
 
     return args.model or ensure_default_model(), kwargs
@@ -227,8 +235,8 @@ def engine_dtype(args, model_dir: str) -> torch.dtype:
 
 
 def server_flags(args) -> list[str]:
-    """`vllm serve` flags for --granite-8b-dummy / --dtype."""
-    flags = ["--load-format", "dummy"] if args.granite_8b_dummy else []
+    """`vllm serve` flags for --granite-*-dummy / --dtype."""
+    flags = ["--load-format", "dummy"] if args.dummy else []
     return flags + (["--dtype", args.dtype] if args.dtype else [])
 
 

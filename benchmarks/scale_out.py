@@ -300,8 +300,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.cores % args.replicas:
         parser.error(f"--cores ({args.cores}) must split evenly over --replicas ({args.replicas})")
-    if args.threads or args.granite_8b_dummy:
-        parser.error("--threads and --granite-8b-dummy do not apply: --cores sets each replica's threads")
+    if args.threads or args.dummy:
+        parser.error("--threads and --granite-*-dummy do not apply: --cores sets each replica's threads")
     if args.load_adapters and not args.router:
         parser.error("--load-adapters needs --router (started setups preload their adapters)")
     if not args.router and shutil.which("vllm-router") is None:

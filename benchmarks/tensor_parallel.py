@@ -26,13 +26,13 @@ import json
 import tempfile
 import time
 
-from benchmarks.common import GRANITE_8B_SHAPE, granite_8b_dummy_dir, load_line, machine_load, print_table, save_json
+from benchmarks.common import GRANITE_8B_SHAPE, dummy_dir, load_line, machine_load, print_table, save_json
 from vllm import LLM, SamplingParams
 
 
 def shaped_model(root: str, layers: int) -> str:
     """The Granite-8B-shaped dummy folder with `layers` layers."""
-    path = granite_8b_dummy_dir(root)
+    path = dummy_dir(root, "granite-3.3-8b")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({**GRANITE_8B_SHAPE, "num_hidden_layers": layers}, f)
     return path

@@ -283,8 +283,8 @@ def main() -> None:
             kwargs["dtype"] = dtype
         if quantization:
             kwargs["quantization"] = quantization
-    if args.granite_8b_dummy:
-        args.no_hf = True  # random weights: transformers would need its own 16 GB copy
+    if args.dummy:
+        args.no_hf = True  # random weights: transformers would need its own copy (16 GB at 8B)
     llm = LLM(model_dir, max_model_len=max(4096, args.prefill_len + 16), **kwargs)
     config = llm.llm_engine.model_config
     prompts = random_prompts(config.vocab_size, args.num_prompts, tuple(args.input_len), tuple(args.output_len),

@@ -203,15 +203,17 @@ def tiny_checkpoint(root: str) -> str:
 
 
 def precision_floor(llm: LLM, hf_config, dtype: torch.dtype, quantization: Optional[str], device: str,
-                    kv_cache_dtype: str = "auto") -> Floor:
-    """The floor on this machine; a quantized model reads its quantized linears and the LM head."""
+                    kv_cache_dtype: str = "auto", num_tokens: int = 2048) -> Floor:
+    """The floor on this machine; a quantized model reads its quantized linears and the LM head.
+    num_tokens: the rows its matmul rate is measured at."""
     import benchmarks.common as common
 
     # Floor's timings read common.time.perf_counter: under --clock cpu they read this clock too,
     # so a figure and its floor are measured alike.
     saved, common.time = common.time, SimpleNamespace(perf_counter=clock)
     try:
-        floor = Floor(hf_config, dtype, device, kv_dtype=torch.bfloat16 if kv_cache_dtype == "bfloat16" else None)
+        floor = Floor(hf_config, dtype, device, num_tokens=num_tokens,
+                      kv_dtype=torch.bfloat16 if kv_cache_dtype == "bfloat16" else None)
     finally:
         common.time = saved
     if quantization is not None:
@@ -299,8 +301,12 @@ def interleaved_decode(args, model_dir: str, kwargs: dict, device: str) -> tuple
     for precision in args.precision:
         kw, dtype, quantization = precision_engine(args, precision, model_dir,
                                                    dict(kwargs, kv_cache_memory_bytes=INTERLEAVE_KV_BYTES))
-        llm = LLM(model_dir, max_model_len=min(4096, hf_config.max_position_embeddings), **kw)
-        engines[precision] = (llm, precision_floor(llm, hf_config, dtype, quantization, device, args.kv_cache_dtype))
+        # Room for the one timed request only, so a 2B model's cache fits in INTERLEAVE_KV_BYTES too.
+        llm = LLM(model_dir, max_model_len=min(args.decode_context + 64, hf_config.max_position_embeddings), **kw)
+        # A batch-1 decode's floor is its bytes; the matmul rate, measured at 2,048 rows, would take
+        # minutes per precision on a 2B model in emulated bf16, so it is measured at 128 here.
+        floor = precision_floor(llm, hf_config, dtype, quantization, device, args.kv_cache_dtype, num_tokens=128)
+        engines[precision] = (llm, floor)
     times = {precision: [] for precision in engines}
     for _ in range(args.interleave):
         for precision, (llm, _) in engines.items():

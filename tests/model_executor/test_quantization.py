@@ -128,10 +128,10 @@ def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
 
 # (method, K, group): per channel with a short last activation block, GGUF Q8_0 (32) and Q6_K (16)
 # groups, groups the vector path does not take (24, 48: the scalar path), int4 groups of 64, int4
-# groups of 32 over an odd number of blocks (the per-block path) and over SmolLM2's 576 features
-# (18 blocks: the paired path).
+# groups of 32 over an odd number of blocks (the per-block path), over SmolLM2's 576 features
+# (18 blocks: the paired path) and over 6,144 (rows of 3 KB: the paired path one row at a time).
 GROUPED = [("int8", 40, None), ("int8", 96, 32), ("int8", 96, 16), ("int8", 72, 24), ("int8", 96, 48),
-           ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None)]
+           ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None), ("int4", 6144, None)]
 
 
 @pytest.mark.parametrize(("method", "k", "group"), GROUPED)

@@ -33,8 +33,10 @@
  * engine's own int4, GGUF Q4_0) takes a paired path instead: two blocks per 32-byte load, x laid
  * out once per call to match the nibbles (layout_int4_pairs), each pair's integer sum scaled once
  * by its two blocks' x and weight scales: 1.5-2.5x the per-block path's speed, 15-17 GB/s of
- * weights on one Zen 3 thread. Tiles of rows under 4 KB ask for the weights 8 KB ahead of them by
- * software prefetch (longer rows stream better on the hardware prefetcher alone).
+ * weights on one Zen 3 thread. Tiles ask for the weights 8 KB ahead of them by software
+ * prefetch, in memory order: int8 rows under 4 KB (longer rows stream better on the hardware
+ * prefetcher alone), every paired int4 tile (its rows of 3 KB or more go one at a time, so a tile
+ * is one run of memory).
  *
  * Work split: x is quantized once per call, then at::parallel_for over output features, in
  * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call
@@ -70,7 +72,12 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // activation block, and the int4 packing block
 constexpr int kRowTile = 4;     // weight rows the vector path runs side by side
-constexpr int64_t kPrefetchRowBytes = 4096;  // shorter weight rows get software prefetch
+constexpr int64_t kPrefetchRowBytes = 4096;  // shorter int8 rows get software prefetch
+// The paired int4 path runs rows this long one at a time: four of them side by side are four
+// streams 3+ KB apart, which neither the hardware prefetcher nor per-row software prefetch kept
+// fed (rows of 8,192 features: 13-14 GB/s cold on Zen 3); one row at a time reads memory in
+// order, asked ahead: 19-20 GB/s. (int8's per-block path measured mixed that way: kept in 4s.)
+constexpr int64_t kLongRowBytes = 3072;
 
 // One row of x -> xq [K] and xs [ceil(K / 32)], as the header states.
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* xs) {
@@ -356,8 +363,11 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   // the paired path, x laid out once per call.
   std::vector<Int4Pairs> pairs(kInt4 && group == kBlock && nblocks % 2 == 0 ? M : 0);
   // Software prefetch for short rows only: on rows of 4 KB and more (Granite-8B's 4096 and 14336
-  // features in int8, 14336 in int4) the hardware prefetcher alone measured 10-35% faster.
+  // features in int8) the hardware prefetcher alone measured 10-35% faster.
   const bool ask = row_bytes < kPrefetchRowBytes;
+  // The paired int4 path: tiles of four rows where they are one run of memory, else single rows;
+  // either way the first row of x asks for the tile ahead.
+  const int tile_rows = row_bytes < kLongRowBytes ? kRowTile : 1;
   for (int64_t m = 0; m < static_cast<int64_t>(pairs.size()); ++m)
     layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m]);
 #else
@@ -384,11 +394,11 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         const auto rows = [&](auto rows_tag) {
           constexpr int kRows = decltype(rows_tag)::value;
           for (int64_t m = 0; m < M; ++m) {
-            const auto call = m == 0 && ask ? dot_int4_pairs<kRows, true> : dot_int4_pairs<kRows, false>;
+            const auto call = m == 0 ? dot_int4_pairs<kRows, true> : dot_int4_pairs<kRows, false>;
             call(qp + n * row_bytes, row_bytes, sp + n * G, G, pairs[m], nblocks / 2, op + m * N + n);
           }
         };
-        if (n + kRowTile <= end) {
+        if (tile_rows == kRowTile && n + kRowTile <= end) {
           rows(std::integral_constant<int, kRowTile>());
         } else {
           for (; n < end; ++n) rows(std::integral_constant<int, 1>());

@@ -4,7 +4,7 @@ machine's floors, in two tables:
   decode  one decode step's attention over every layer's KV cache, caches cold (a buffer larger
           than the last-level cache is copied before each step, as a step's weights would pass
           through it): ms, the KV bytes read per second, and the ratio of that rate to this
-          machine's read bandwidth (a large sum) and copy bandwidth (what the engine's floors use).
+          machine's read bandwidth (a large sum) and copy bandwidth (the floors take the faster).
   prompt  one layer's prompt attention, the native kernel against the path that runs it otherwise
           (torch_ref: SDPA per sequence), with GFLOP/s for each: where the two cross is where
           attention/backends/cpu_native.py's MAX_QUERY_LEN belongs on this machine.
@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.common import load_line, machine_load, measured_bandwidth, print_table, save_json
+from benchmarks.common import load_line, machine_load, measured_copy_bandwidth, measured_read_bandwidth, print_table, save_json
 from vllm.attention.backends import cpu_native, torch_ref
 from vllm.attention.metadata import AttentionMetadata
 
@@ -47,12 +47,10 @@ def lower_quartile(fn: Callable[[], None], reps: int, before: Callable[[], None]
     return sorted(times)[len(times) // 4]
 
 
-def bandwidths(reps: int = 5) -> tuple[float, float]:
-    """(read, copy) bytes/s of this machine on torch's threads: a large sum, and the copy rate the
-    engine's floors use (benchmarks.common.measured_bandwidth)."""
-    src = torch.ones(256 * 2**20 // 4)
-    read = src.numel() * 4 / lower_quartile(lambda: src.sum(), reps)
-    return read, measured_bandwidth("cpu")
+def bandwidths() -> tuple[float, float]:
+    """(read, copy) bytes/s of this machine on torch's threads: a large sum and a large copy (the
+    engine's floors take the faster of the two: benchmarks.common.measured_bandwidth)."""
+    return measured_read_bandwidth("cpu"), measured_copy_bandwidth("cpu")
 
 
 def paged_inputs(contexts: list[int], query_lens: list[int], heads: int, kv_heads: int, head_size: int,

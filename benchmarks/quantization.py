@@ -1,6 +1,6 @@
 """Weight-only quantization on the CPU, per precision: the bytes of the linear weights and of the
 LM head (int8 per channel under both methods), the batch-1 decode step against its floor (those
-bytes read once at the measured copy bandwidth),
+bytes read once at the measured bandwidth: the faster of a read and a copy),
 and agreement with the fp32 model (greedy tokens on a fixed prompt set, mean |logprob|
 difference of the prompt tokens, teacher-forced so one early divergence does not decide it).
 Quantized layers round activations to int8 per block of 32 (see quantization.py) on every
@@ -102,7 +102,7 @@ def main() -> None:
         del llm
         gc.collect()
     print_table(f"Weight-only quantization, {os.path.basename(model_dir.rstrip('/'))}, batch-1 decode at "
-                f"{CONTEXT} tokens of context, {torch.get_num_threads()} threads, copy bandwidth "
+                f"{CONTEXT} tokens of context, {torch.get_num_threads()} threads, bandwidth "
                 f"{bandwidth / 1e9:.1f} GB/s, load average {start_load:.1f} at the start, "
                 f"{os.getloadavg()[0]:.1f} at the end",
                 rows, ("precision", "linear weights MiB", "LM head MiB", "decode step ms", "floor ms", "vs floor",

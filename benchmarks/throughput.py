@@ -12,7 +12,7 @@ machine's measured matmul rate on the model's own shapes.
 `save_pretrained` next to the test tokenizer, like tests/utils/checkpoints.py), runs
 each against transformers in this one run, and times one MoE layer of each MoE family
 against its floor: the experts a step routes to must have their weights read once
-(bytes / the measured copy bandwidth), and their matmuls take at least FLOPs / the
+(bytes / the measured bandwidth), and their matmuls take at least FLOPs / the
 measured matmul rate on those shapes; the larger of the two is the floor.
 
 Tokens/s count only the tokens each request asked for (prompt + its own output

@@ -7,6 +7,7 @@ machine's measured matmul rate on the model's own shapes.
     python -m benchmarks.throughput --granite-8b-dummy            # GPU, Granite-3.3-8B shapes, random bf16 weights
     python -m benchmarks.throughput --families mixtral gemma2     # tiny random MoE and Gemma 2 checkpoints
     python -m benchmarks.throughput --precision int4              # our engine on int4 weights (transformers: fp32)
+    python -m benchmarks.throughput --precision int4 --kv-cache-dtype bfloat16   # and a bf16 KV cache
 
 `--families` builds a small random checkpoint per family (written with transformers'
 `save_pretrained` next to the test tokenizer, like tests/utils/checkpoints.py), runs
@@ -265,6 +266,8 @@ def main() -> None:
     parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
                         help="our engine's precision (int8/int4: quantized at load, on the --dtype model); "
                              "transformers runs the checkpoint in the model dtype")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16"),
+                        help="our engine's KV cache (the engine option of that name)")
     args = parser.parse_args()
     if args.precision and args.dtype and PRECISIONS[args.precision][0]:
         parser.error("--precision fp32/bf16 sets the dtype itself; --dtype goes with int8/int4 only")
@@ -283,6 +286,7 @@ def main() -> None:
             kwargs["dtype"] = dtype
         if quantization:
             kwargs["quantization"] = quantization
+    kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     if args.dummy:
         args.no_hf = True  # random weights: transformers would need its own copy (16 GB at 8B)
     llm = LLM(model_dir, max_model_len=max(4096, args.prefill_len + 16), **kwargs)
@@ -290,7 +294,7 @@ def main() -> None:
     prompts = random_prompts(config.vocab_size, args.num_prompts, tuple(args.input_len), tuple(args.output_len),
                              lengths=args.lengths)
     results = {"device": device, "model": model_dir, "lengths": args.lengths, "num_prompts": len(prompts),
-               "precision": args.precision, "machine": machine_load()}
+               "precision": args.precision, "kv_cache_dtype": args.kv_cache_dtype, "machine": machine_load()}
     results.update(compare_with_transformers(llm, model_dir, prompts, args, device))
 
     seconds, achieved, peak = prefill_rate(llm, args.prefill_len, device)

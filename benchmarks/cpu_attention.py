@@ -2,8 +2,9 @@
 machine's floors, in two tables:
 
   decode  one decode step's attention over every layer's KV cache, caches cold (a buffer larger
-          than the last-level cache is copied before each step, as a step's weights would pass
-          through it): ms, the KV bytes read per second, and the ratio of that rate to this
+          than the last-level cache is read before each step, as a step's weights pass through
+          it; a copy would leave dirty lines whose write-back slows the step: 25-30% at batch 1
+          on Zen 3): ms, the KV bytes read per second, and the ratio of that rate to this
           machine's read bandwidth (a large sum) and copy bandwidth (the floors take the faster).
   prompt  one layer's prompt attention, the native kernel against the path that runs it otherwise
           (torch_ref: SDPA per sequence), with GFLOP/s for each: where the two cross is where
@@ -86,7 +87,7 @@ def paged_inputs(contexts: list[int], query_lens: list[int], heads: int, kv_head
 
 def decode_rows(args, read_bw: float, copy_bw: float) -> list[dict]:
     dtype, kv_dtype = getattr(torch, args.dtype), getattr(torch, args.kv_cache_dtype)
-    flush_src, flush_dst = torch.ones(FLUSH_BYTES // 4), torch.empty(FLUSH_BYTES // 4)
+    flush = torch.ones(FLUSH_BYTES // 4)
     results = []
     for context in args.contexts:
         for batch in args.batches:
@@ -99,7 +100,7 @@ def decode_rows(args, read_bw: float, copy_bw: float) -> list[dict]:
                     cpu_native.paged_attention_rows(out, query, cache, meta.block_table, meta.seq_lens,
                                                     meta.query_start_loc, 1, args.scale)
 
-            seconds = lower_quartile(step, args.reps, before=lambda: flush_dst.copy_(flush_src))
+            seconds = lower_quartile(step, args.reps, before=lambda: flush.sum())
             kv_bytes = (2 * args.layers * batch * context * args.kv_heads * args.head_size
                         * torch.empty((), dtype=kv_dtype).element_size())
             rate = kv_bytes / seconds

@@ -27,7 +27,8 @@ from typing import Callable
 
 import torch
 
-from benchmarks.common import load_line, machine_load, measured_copy_bandwidth, measured_read_bandwidth, print_table, save_json
+from benchmarks.common import (load_line, machine_load, measured_copy_bandwidth, measured_read_bandwidth, print_table,
+                               save_json)
 from vllm.attention.backends import cpu_native, torch_ref
 from vllm.attention.metadata import AttentionMetadata
 

@@ -367,7 +367,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const bool ask = row_bytes < kPrefetchRowBytes;
   // The paired int4 path: tiles of four rows where they are one run of memory, else single rows;
   // either way the first row of x asks for the tile ahead.
-  const int tile_rows = row_bytes < kLongRowBytes ? kRowTile : 1;
+  const bool single_rows = row_bytes >= kLongRowBytes;
   for (int64_t m = 0; m < static_cast<int64_t>(pairs.size()); ++m)
     layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m]);
 #else
@@ -398,7 +398,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
             call(qp + n * row_bytes, row_bytes, sp + n * G, G, pairs[m], nblocks / 2, op + m * N + n);
           }
         };
-        if (tile_rows == kRowTile && n + kRowTile <= end) {
+        if (!single_rows && n + kRowTile <= end) {
           rows(std::integral_constant<int, kRowTile>());
         } else {
           for (; n < end; ++n) rows(std::integral_constant<int, 1>());

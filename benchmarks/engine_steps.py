@@ -13,9 +13,10 @@ requests against base only. Each figure with its ratio to this machine's floor.
 Floors (benchmarks.common.Floor): a decode step reads every weight once plus the KV of
 the batch at the measured bandwidth (the faster of a read and a copy), or costs the batch's
 FLOPs at the measured matmul rate, whichever is slower; a prefill costs its FLOPs at the
-matmul rate. The KV bytes are the cache's dtype: --kv-cache-dtype bfloat16 gives every precision a bf16 cache (and its floor). A
-quantized model's weight bytes are its quantized linears plus the LM head as it is stored
-(int8 per channel under --quantization; as benchmarks/quantization.py counts them).
+matmul rate. The KV bytes are the cache's dtype: --kv-cache-dtype bfloat16 gives every
+precision a bf16 cache (and its floor). A quantized model's weight bytes are its quantized
+linears plus the LM head as it is stored (int8 per channel under --quantization; as
+benchmarks/quantization.py counts them).
 
 The batch-1 decode step is also split into the model's own work (the runner's forward and
 the LM head) and everything else the engine does per step (scheduling, building inputs,

@@ -5,7 +5,8 @@ multiples of the block size, query runs and long contexts split across tasks (an
 GQA ratios 1-4, head sizes 16/32/40/64/96/128, block sizes 5/8/12/16/80, fp32 (tight) and bf16/fp16
 (loose, against fp32 on the same rounded inputs; bf16 prompts through the AVX512-BF16 tiles too), fp32
 queries over a bf16 cache (tight, against fp32 on the rounded cache); sequences above max_query_len left alone;
-results bitwise independent of threads and of the rest of the batch; mixed batches through
+results bitwise independent of threads (a lone decode's KV heads shared out among threads too)
+and of the rest of the batch; mixed batches through
 the backend; and greedy generation equal to VLLM_USE_TORCH_REFERENCE_OPS=1.
 
 Attention variants (sliding window, soft cap, sinks): every variant of
@@ -243,6 +244,26 @@ def test_thread_count_does_not_change_results():
             results.append(run_native(query, cache, meta, 0.125))
     finally:
         torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("lengths", [[300], [40, 1300]], ids=["one", "two"])
+def test_decodes_on_more_threads_than_key_ranges_share_out_their_heads(lengths):
+    """A decode task reads the blocks of all its KV heads in turn; where that leaves threads idle
+    (one or two decodes on more threads than their key ranges), the heads are shared out among
+    tasks instead. Which heads share a task changes no row: every thread count gives the same
+    bits, matching the reference."""
+    query, key, value, cache, meta = make_batch(decode_specs(lengths), 16, 8, 64, 16, seed=13)
+    ref, cache = reference(query, key, value, cache, meta, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 5, 8):
+            torch.set_num_threads(n)
+            results.append(run_native(query, cache, meta, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(results[0], ref, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 

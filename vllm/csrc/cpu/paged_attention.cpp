@@ -33,26 +33,29 @@
  *   sinks            [H] floating (read as fp32), or undefined / empty for none
  *   Lengths, token ranges and the block ids they reach are checked before any work.
  *
- * Work split: one task per (sequence, KV head, run of at most kMaxTokensPerTask query
+ * Work split: one task per (sequence, KV heads, run of at most kMaxTokensPerTask query
  * tokens, range of kKeysPerTask keys), run by at::parallel_for on torch's intra-op threads.
+ * A task has one KV head, or where the keys are read in place (decodes) all of them, block by
+ * block (fewer where that leaves threads idle): see split_tasks.
  * A run's keys start at the block holding its first token's first visible key, so with a
  * sliding window a decode reads only the blocks its window touches.
- * A task computes the rows of its tokens times the G query heads sharing the KV head over
- * its keys, reading each key and value row of that head once for all of them: an exact
+ * A task computes the rows of its tokens times the G query heads sharing each KV head over
+ * its keys, reading each key and value row of a head once for all of them: an exact
  * two-pass softmax (all logits, then max subtraction and exp, then one pass over the values)
  * whose unnormalised output, max and sum are merged across the key ranges (a sink enters
- * that merge as one more partial: max sink, sum 1, no value). With enough (sequence, KV head,
+ * that merge as one more partial: max sink, sum 1, no value). With enough (sequence, KV heads,
  * run) groups for the threads (prefills), a thread runs a group's tasks one after the other and
- * merges them at once; otherwise (decodes) all tasks run in parallel, then the merges. The split
- * depends only on each sequence's own lengths (and the window), and the merge's arithmetic not
- * on which thread runs it, so a row's arithmetic is the same whatever else is in the batch and
- * whatever the thread count: results are bitwise reproducible.
+ * merges them at once; otherwise (decodes) all tasks run in parallel, then the merges. The key
+ * split depends only on each sequence's own lengths (and the window), and neither which heads
+ * share a task nor which thread runs a merge changes any arithmetic, so a row's arithmetic is
+ * the same whatever else is in the batch and whatever the thread count: results are bitwise
+ * reproducible.
  *
  * Inner loops: with few rows per task (decodes), dot products on the keys in place, kRowTile
  * query rows sharing every load. With many, a chunk of kChunkKeys keys is transposed to
  * [D, keys] so that one vector FMA advances W keys of a query row, in register tiles of
- * kLogitRows rows x kLogitVecs vectors of keys; the values' tiles (kValueRows rows x 4 vectors
- * of features) keep their accumulators in registers across the chunk's blocks.
+ * kLogitRows rows x kLogitVecs vectors of keys; the values' tiles (kValueRows rows x kValueVecs
+ * vectors of features) keep their accumulators in registers across the chunk's blocks.
  */
 
 #include "attention_tiles.h"  // first: it sets the vector width at::vec builds for
@@ -78,10 +81,11 @@ namespace {
 
 using namespace vllm_attention_tiles;
 
-// How many blocks ahead of the one being read a task asks for its rows. The rows of one KV
-// head are strided (Hkv * D apart) and the blocks scattered, which the hardware prefetchers
-// follow poorly; two blocks ahead measured best (1.1x-1.2x over none, flat beyond).
-constexpr int64_t kPrefetchBlocks = 2;
+// How many blocks ahead of the one being read a task asks for its rows. The blocks are scattered
+// and a head's rows strided (Hkv * D apart), which the hardware prefetchers follow poorly
+// (decodes took 2x as long without the asks); one block ahead measured best on Zen 3 (two: 5-10%
+// slower, four: 15-20%, where a task's block of every head already fills much of L1).
+constexpr int64_t kPrefetchBlocks = 1;
 // Query tokens per task: more rows share each key and value read.
 constexpr int64_t kMaxTokensPerTask = 32;
 // Keys per task (rounded up to whole blocks): a long context is split into ranges whose
@@ -123,11 +127,27 @@ inline T* thread_scratch(size_t n) {
   return buffer.data();
 }
 
-// One task: query tokens [j0, j1) of sequence `seq`, KV head `kv`, keys [k0, k1). Where all tasks
-// run before the merges, its rows' partial results start at row `part` of the shared buffer.
+// One task: query tokens [j0, j1) of sequence `seq`, KV heads [kv, kv1), keys [k0, k1). Its rows
+// are its heads' in turn, each head's its tokens' G query heads (row_of). Where all tasks run
+// before the merges, its rows' partial results start at row `part` of the shared buffer.
 struct Task {
-  int64_t seq, kv, j0, j1, k0, k1, part;
+  int64_t seq, kv, kv1, j0, j1, k0, k1, part;
+  int64_t rows(int64_t G) const { return (kv1 - kv) * (j1 - j0) * G; }
 };
+
+// Row m of a task: its query token j (within the sequence) and query head h.
+struct Row {
+  int64_t j, h;
+};
+inline Row row_of(const Task& task, int64_t m, int64_t G) {
+  const int64_t per_head = (task.j1 - task.j0) * G, r = m % per_head;
+  return {task.j0 + r / G, (task.kv + m / per_head) * G + r % G};
+}
+
+// Whether a sequence of q query tokens takes dot products on its keys in place (the decode path)
+// rather than transposing them: decided per sequence, not per task, so that a row's arithmetic
+// never depends on how tasks are split.
+inline bool reads_keys_in_place(int64_t q, int64_t G) { return q * G < kTransposeMinRows; }
 
 // The tasks of one (sequence, KV head, run of tokens): `count` tasks, `stride` apart from
 // `first`, one per key range, whose partials are merged into the output rows.
@@ -137,30 +157,50 @@ struct Group {
 
 // Each (sequence, KV head) split into equal runs of at most kMaxTokensPerTask query tokens, and
 // each run's keys (from the block of its first token's first visible key up to the last token's
-// own) into ranges of `keys_per_task`, each starting on a block boundary. The split depends only
-// on the sequence, so a row's arithmetic is the same whatever else is in the batch and however
-// many threads run it. The KV heads of a key range are consecutive tasks: the heads of a token
-// sit side by side in the cache, so a thread runs tasks that read neighbouring lines back to back.
+// own) into ranges of `keys_per_task`, each starting on a block boundary. The key split depends
+// only on the sequence, so a row's arithmetic is the same whatever else is in the batch and
+// however many threads run it. A task takes one KV head, or `decode_heads` of them where the keys
+// are read in place: its loops then read each block's rows of all its heads before the next
+// block, so the cache is read in runs of whole blocks rather than each head's slice of every
+// token row (1.2-1.3x faster cold on Zen 3 with 8 KV heads; with partial_attention's asks in
+// address order 1.5-1.7x). Which heads share a task changes no row's arithmetic. A key range's
+// tasks are consecutive: neighbouring lines back to back.
 inline void split_tasks(const std::vector<int64_t>& seqs, const int32_t* qsl, const int32_t* lens, int64_t Hkv,
-                        int64_t G, int64_t bs, int64_t keys_per_task, const Variant& variant, std::vector<Task>& tasks,
-                        std::vector<Group>& groups) {
+                        int64_t G, int64_t bs, int64_t keys_per_task, int64_t decode_heads, const Variant& variant,
+                        std::vector<Task>& tasks, std::vector<Group>& groups) {
   int64_t rows = 0;
   for (const int64_t i : seqs) {
     const int64_t q = qsl[i + 1] - qsl[i], L = lens[i];
     const int64_t runs = (q + kMaxTokensPerTask - 1) / kMaxTokensPerTask, step = (q + runs - 1) / runs;
+    const int64_t heads = reads_keys_in_place(q, G) ? decode_heads : 1, parts = (Hkv + heads - 1) / heads;
     for (int64_t j0 = 0; j0 < q; j0 += step) {
       const int64_t j1 = std::min(q, j0 + step), n_keys = L - q + j1;
       const int64_t first = first_visible(variant, L - q + j0) / bs * bs;  // skip whole blocks before
-      for (int64_t kv = 0; kv < Hkv; ++kv)
-        groups.push_back({static_cast<int64_t>(tasks.size()) + kv, 0, Hkv});
+      for (int64_t part = 0; part < parts; ++part)
+        groups.push_back({static_cast<int64_t>(tasks.size()) + part, 0, parts});
       for (int64_t k0 = first; k0 < n_keys; k0 += keys_per_task)
-        for (int64_t kv = 0; kv < Hkv; ++kv) {
-          tasks.push_back({i, kv, j0, j1, k0, std::min(n_keys, k0 + keys_per_task), rows});
-          rows += (j1 - j0) * G;
-          ++groups[groups.size() - Hkv + kv].count;
+        for (int64_t part = 0; part < parts; ++part) {
+          const Task task{i, part * heads, std::min(Hkv, (part + 1) * heads), j0, j1, k0,
+                          std::min(n_keys, k0 + keys_per_task), rows};
+          tasks.push_back(task);
+          rows += task.rows(G);
+          ++groups[groups.size() - parts + part].count;
         }
     }
   }
+}
+
+// KV heads per task where keys are read in place: all of them, unless that leaves threads idle
+// (a batch of one decode on several threads): then the heads are shared out among the threads.
+inline int64_t decode_heads_per_task(const std::vector<int64_t>& seqs, const int32_t* qsl, const int32_t* lens,
+                                     int64_t Hkv, int64_t G, int64_t keys_per_task) {
+  int64_t units = 0;  // (sequence, key range) pairs of the in-place sequences
+  for (const int64_t i : seqs)
+    if (reads_keys_in_place(qsl[i + 1] - qsl[i], G)) units += (lens[i] + keys_per_task - 1) / keys_per_task;
+  const int64_t threads = at::get_num_threads();
+  if (units == 0 || units >= threads) return Hkv;
+  const int64_t parts = std::min(Hkv, (threads + units - 1) / units);
+  return (Hkv + parts - 1) / parts;
 }
 
 // Partial results of one task: per row, the unnormalised output [D], then the max logit and the
@@ -179,17 +219,15 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;  // within kv_cache[0 or 1]
   const int64_t ahead = kPrefetchBlocks * bs, row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
   const int64_t L = seq_lens[task.seq], q_len = qsl[task.seq + 1] - qsl[task.seq];
-  const int64_t M = (task.j1 - task.j0) * G, span = task.k1 - task.k0;
+  const int64_t M = task.rows(G), per_head = (task.j1 - task.j0) * G, span = task.k1 - task.k0;
   const int32_t* blocks = tables + task.seq * table_stride;
-  const cache_t* k_head = k_cache + task.kv * D;
-  const cache_t* v_head = v_cache + task.kv * D;
   // Keys read at a time: a chunk of blocks where the keys are transposed, else one block.
   const int64_t chunk = kTranspose ? (kChunkKeys + bs - 1) / bs * bs : bs;
   const int64_t ldk = (chunk + kLogitVecs * W - 1) / (kLogitVecs * W) * (kLogitVecs * W);  // transposed row length
   const int64_t P = D / 2, chunk_pairs = (chunk + 1) / 2;  // kDot: feature pairs of a row, key pairs of a chunk
 
-  // Per-thread scratch, reused by every task. Row m is token j0 + m / G, query head kv * G + m % G.
-  const int64_t max_rows = kMaxTokensPerTask * G;
+  // Per-thread scratch, reused by every task (rows: row_of).
+  const int64_t max_rows = std::max(M, kMaxTokensPerTask * G);
   opmath_t* q = thread_scratch<opmath_t>(max_rows * D + max_rows * keys_per_task + chunk * D + D * ldk);
   opmath_t* logits = q + max_rows * D;                 // [rows, span] (q: [rows, D], pre-scaled)
   opmath_t* rows = logits + max_rows * keys_per_task;  // [chunk, D] converted blocks (non-opmath storage)
@@ -206,7 +244,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   uint32_t* p2 = vt2 + chunk_pairs * D;
 
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t j = task.j0 + m / G, h = task.kv * G + m % G;
+    const auto [j, h] = row_of(task, m, G);
     const scalar_t* src = q_base + (qsl[task.seq] + j) * q_s0 + h * q_s1;
     if constexpr (kDot)
       std::memcpy(q2 + m * P, src, D * sizeof(scalar_t));  // unscaled: the tiles scale the logits
@@ -217,67 +255,76 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
     lo[m] = std::clamp<int64_t>(first_visible(variant, p) - task.k0, 0, hi[m]);
   }
 
-  // The rows from key k0 + start on of `head` (keys or values: one block, as k0 is a multiple of
-  // bs, rows token_stride apart); `next` gets this head's rows kPrefetchBlocks blocks further on,
-  // for the inner loops to ask for. (Asking for every head's rows from the first head's task,
-  // whole token rows, measured slower.)
-  auto block_at = [&](const cache_t* head, int64_t start, Ahead& next) {
+  // The rows from key k0 + start on of KV head `head` in `cache` (k_cache or v_cache: one block,
+  // as k0 is a multiple of bs, rows token_stride apart). `next` gets what the inner loops ask for,
+  // a row's worth per key, from the block kPrefetchBlocks further on: where the task has every
+  // head, that block is read whole, so each head asks for its share of it in address order (the
+  // whole block, past the context's last key too); else this head's own rows, token_stride
+  // apart. The address-order asks measured 1.2-1.3x faster cold than each head asking for its
+  // rows (Zen 3, 8 KV heads), which the hardware prefetchers do not follow.
+  const bool whole_rows = task.kv1 - task.kv == Hkv;
+  auto block_at = [&](const cache_t* cache, int64_t head, int64_t start, Ahead& next) {
     const int64_t key = task.k0 + start;
     next = Ahead{};
-    if (start + ahead < span)
-      next = Ahead{reinterpret_cast<const char*>(head + blocks[(key + ahead) / bs] * block_stride),
-                   std::min(bs, span - start - ahead), token_stride * static_cast<int64_t>(sizeof(cache_t)),
-                   row_bytes};
-    return head + blocks[key / bs] * block_stride;
+    if (start + ahead < span) {
+      const char* later = reinterpret_cast<const char*>(cache + blocks[(key + ahead) / bs] * block_stride);
+      next = whole_rows ? Ahead{later + head * bs * row_bytes, bs, row_bytes, row_bytes}
+                        : Ahead{later + head * row_bytes, std::min(bs, span - start - ahead),
+                                token_stride * static_cast<int64_t>(sizeof(cache_t)), row_bytes};
+    }
+    return cache + blocks[key / bs] * block_stride + head * D;
   };
   // Pass 1: logits of the task's keys, one chunk at a time.
   for (int64_t start = 0; start < span; start += chunk) {
     const int64_t n = std::min(chunk, span - start);
-    Ahead next;
-    const cache_t* block = nullptr;
-    int64_t stride = token_stride;
-    const opmath_t* k = nullptr;
-    if constexpr (kDot) {
-      for (int64_t b = 0; b * bs < n; ++b) {  // each block's pairs, as 32-bit units, transposed into the chunk
-        const int64_t nb = std::min(bs, n - b * bs);
-        block = block_at(k_head, start + b * bs, next);
-        for (int64_t t = 0; t < next.n; ++t) next.ask(t);
-        at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(block), token_stride / 2,
-                                      reinterpret_cast<float*>(kt2 + b * bs), ldk, nb, P);
-      }
-    } else if constexpr (kTranspose) {
-      for (int64_t b = 0; b * bs < n; ++b) {  // each block as opmath rows, transposed into the chunk
-        const int64_t nb = std::min(bs, n - b * bs);
-        k = rows_as_opmath(block_at(k_head, start + b * bs, next), nb, token_stride, D, rows, stride);
-        for (int64_t t = 0; t < next.n; ++t) next.ask(t);  // many rows share each key: one burst is fine
-        at::vec::transpose_mxn<opmath_t>(k, stride, kt + b * bs, ldk, nb, D);
-      }
-    } else {
-      block = block_at(k_head, start, next);
-      // The block as opmath rows where the inner loops do not read it in place.
-      if constexpr (!kReadInPlace<cache_t>) k = rows_as_opmath(block, n, token_stride, D, rows, stride);
-    }
-    for_row_tiles<kTranspose ? kLogitRows : kRowTile>(M, [&](auto tile, int64_t m) {
-      constexpr int R = decltype(tile)::value;
-      opmath_t* lp[R];
-      const opmath_t* qp[R];
-      const uint32_t* q2p[R];
-      for (int r = 0; r < R; ++r) {
-        lp[r] = logits + (m + r) * keys_per_task + start;
-        qp[r] = q + (m + r) * D;
-        q2p[r] = q2 + (m + r) * P;
-      }
+    for (int64_t head = task.kv; head < task.kv1; ++head) {  // each head's rows of the chunk in turn
+      const int64_t m0 = (head - task.kv) * per_head;
+      Ahead next;
+      const cache_t* block = nullptr;
+      int64_t stride = token_stride;
+      const opmath_t* k = nullptr;
       if constexpr (kDot) {
-        bf16_block_logits<R>(lp, q2p, kt2, ldk, n, P, scale);
+        for (int64_t b = 0; b * bs < n; ++b) {  // each block's pairs, as 32-bit units, transposed into the chunk
+          const int64_t nb = std::min(bs, n - b * bs);
+          block = block_at(k_cache, head, start + b * bs, next);
+          for (int64_t t = 0; t < next.n; ++t) next.ask(t);
+          at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(block), token_stride / 2,
+                                        reinterpret_cast<float*>(kt2 + b * bs), ldk, nb, P);
+        }
       } else if constexpr (kTranspose) {
-        block_logits<R>(lp, qp, kt, ldk, n, D);
+        for (int64_t b = 0; b * bs < n; ++b) {  // each block as opmath rows, transposed into the chunk
+          const int64_t nb = std::min(bs, n - b * bs);
+          k = rows_as_opmath(block_at(k_cache, head, start + b * bs, next), nb, token_stride, D, rows, stride);
+          for (int64_t t = 0; t < next.n; ++t) next.ask(t);  // many rows share each key: one burst is fine
+          at::vec::transpose_mxn<opmath_t>(k, stride, kt + b * bs, ldk, nb, D);
+        }
       } else {
-        if constexpr (kReadInPlace<cache_t>)
-          row_logits<R>(lp, qp, block, token_stride, n, D, m == 0 ? next : Ahead{});
-        else
-          row_logits<R>(lp, qp, k, stride, n, D, m == 0 ? next : Ahead{});
+        block = block_at(k_cache, head, start, next);
+        // The block as opmath rows where the inner loops do not read it in place.
+        if constexpr (!kReadInPlace<cache_t>) k = rows_as_opmath(block, n, token_stride, D, rows, stride);
       }
-    });
+      for_row_tiles<kTranspose ? kLogitRows : kRowTile>(m0, m0 + per_head, [&](auto tile, int64_t m) {
+        constexpr int R = decltype(tile)::value;
+        opmath_t* lp[R];
+        const opmath_t* qp[R];
+        const uint32_t* q2p[R];
+        for (int r = 0; r < R; ++r) {
+          lp[r] = logits + (m + r) * keys_per_task + start;
+          qp[r] = q + (m + r) * D;
+          q2p[r] = q2 + (m + r) * P;
+        }
+        if constexpr (kDot) {
+          bf16_block_logits<R>(lp, q2p, kt2, ldk, n, P, scale);
+        } else if constexpr (kTranspose) {
+          block_logits<R>(lp, qp, kt, ldk, n, D);
+        } else {
+          if constexpr (kReadInPlace<cache_t>)
+            row_logits<R>(lp, qp, block, token_stride, n, D, m == m0 ? next : Ahead{});
+          else
+            row_logits<R>(lp, qp, k, stride, n, D, m == m0 ? next : Ahead{});
+        }
+      });
+    }
   }
   // Softmax numerators over each row's keys (soft-capped first); the rest of the range gets
   // probability 0.
@@ -302,41 +349,45 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   const opmath_t* converted[kChunkKeys];  // the same, converted where not read in place
   for (int64_t start = 0; start < span; start += chunk) {
     const int64_t n = std::min(chunk, span - start);
-    Ahead next;
-    int64_t stride = token_stride;
-    for (int64_t b = 0; b * bs < n; ++b) {
-      in_place[b] = block_at(v_head, start + b * bs, next);
-      if constexpr (kTranspose)
-        for (int64_t t = 0; t < next.n; ++t) next.ask(t);
-      if constexpr (!kReadInPlace<cache_t>)
-        converted[b] = rows_as_opmath(in_place[b], std::min(bs, n - b * bs), token_stride, D, rows + b * bs * D,
-                                      stride);
-    }
-    if constexpr (kTranspose) next = Ahead{};  // asked for above
-    if constexpr (kDot) {  // the chunk's values and each row's probabilities by pairs
-      const auto row = [&](int64_t t) {
-        return reinterpret_cast<const uint16_t*>(in_place[t / bs] + (t % bs) * token_stride);
-      };
-      bf16_interleave_values(row, n, D, vt2);
-      for (int64_t m = 0; m < M; ++m) bf16_pack_pairs(logits + m * keys_per_task + start, n, p2 + m * chunk_pairs);
-    }
-    for_row_tiles<kTranspose ? kValueRows : kRowTile>(M, [&](auto tile, int64_t m) {
-      constexpr int R = decltype(tile)::value;
-      opmath_t* ap[R];
-      const opmath_t* pp[R];
-      const uint32_t* p2p[R];
-      for (int r = 0; r < R; ++r) {
-        ap[r] = part_rows + (m + r) * (D + 2);
-        pp[r] = logits + (m + r) * keys_per_task + start;
-        p2p[r] = p2 + (m + r) * chunk_pairs;
+    for (int64_t head = task.kv; head < task.kv1; ++head) {
+      const int64_t m0 = (head - task.kv) * per_head;
+      Ahead next;
+      int64_t stride = token_stride;
+      for (int64_t b = 0; b * bs < n; ++b) {
+        in_place[b] = block_at(v_cache, head, start + b * bs, next);
+        if constexpr (kTranspose)
+          for (int64_t t = 0; t < next.n; ++t) next.ask(t);
+        if constexpr (!kReadInPlace<cache_t>)
+          converted[b] = rows_as_opmath(in_place[b], std::min(bs, n - b * bs), token_stride, D, rows + b * bs * D,
+                                        stride);
       }
-      if constexpr (kDot)
-        bf16_block_values<R>(ap, p2p, vt2, (n + 1) / 2, D);
-      else if constexpr (kReadInPlace<cache_t>)
-        block_values<R>(ap, pp, in_place, bs, stride, n, D, m == 0 ? next : Ahead{});
-      else
-        block_values<R>(ap, pp, converted, bs, stride, n, D, m == 0 ? next : Ahead{});
-    });
+      if constexpr (kTranspose) next = Ahead{};  // asked for above
+      if constexpr (kDot) {  // the chunk's values and each row's probabilities by pairs
+        const auto row = [&](int64_t t) {
+          return reinterpret_cast<const uint16_t*>(in_place[t / bs] + (t % bs) * token_stride);
+        };
+        bf16_interleave_values(row, n, D, vt2);
+        for (int64_t m = m0; m < m0 + per_head; ++m)
+          bf16_pack_pairs(logits + m * keys_per_task + start, n, p2 + m * chunk_pairs);
+      }
+      for_row_tiles<kTranspose ? kValueRows : kRowTile>(m0, m0 + per_head, [&](auto tile, int64_t m) {
+        constexpr int R = decltype(tile)::value;
+        opmath_t* ap[R];
+        const opmath_t* pp[R];
+        const uint32_t* p2p[R];
+        for (int r = 0; r < R; ++r) {
+          ap[r] = part_rows + (m + r) * (D + 2);
+          pp[r] = logits + (m + r) * keys_per_task + start;
+          p2p[r] = p2 + (m + r) * chunk_pairs;
+        }
+        if constexpr (kDot)
+          bf16_block_values<R>(ap, p2p, vt2, (n + 1) / 2, D);
+        else if constexpr (kReadInPlace<cache_t>)
+          block_values<R>(ap, pp, in_place, bs, stride, n, D, m == m0 ? next : Ahead{});
+        else
+          block_values<R>(ap, pp, converted, bs, stride, n, D, m == m0 ? next : Ahead{});
+      });
+    }
   }
 }
 
@@ -352,10 +403,10 @@ void merge_partials(const Group& group, const std::vector<Task>& tasks, const Pa
   using Vec = at::vec::Vectorized<opmath_t>;
   constexpr int64_t W = Vec::size();
   const Task& first = tasks[group.first];
-  const int64_t M = (first.j1 - first.j0) * G;
+  const int64_t M = first.rows(G);
   for (int64_t m = 0; m < M; ++m) {
     auto part = [&](int64_t s) { return part_rows(s) + m * (D + 2); };
-    const int64_t j = first.j0 + m / G, h = first.kv * G + m % G;
+    const auto [j, h] = row_of(first, m, G);
     opmath_t max = -std::numeric_limits<opmath_t>::infinity();
     for (int64_t s = 0; s < group.count; ++s) max = std::max(max, part(s)[D]);
     if (sinks) max = std::max(max, static_cast<opmath_t>(sinks[h]));
@@ -389,7 +440,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t keys_per_task = (kKeysPerTask + bs - 1) / bs * bs;
   std::vector<Task> tasks;
   std::vector<Group> groups;
-  split_tasks(seqs, qsl, seq_lens, Hkv, G, bs, keys_per_task, variant, tasks, groups);
+  split_tasks(seqs, qsl, seq_lens, Hkv, G, bs, keys_per_task,
+              decode_heads_per_task(seqs, qsl, seq_lens, Hkv, G, keys_per_task), variant, tasks, groups);
   const cache_t* k_cache = kv_cache.const_data_ptr<cache_t>();
   const cache_t* v_cache = k_cache + num_blocks * bs * Hkv * D;
   const scalar_t* q_base = query.const_data_ptr<scalar_t>();
@@ -398,8 +450,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   scalar_t* out_base = out.data_ptr<scalar_t>();
   // Task t's partial results into `rows` [M, D + 2].
   auto run_task = [&](int64_t t, opmath_t* rows) {
-    // Decided per sequence, not per task, so a row's arithmetic never depends on how tasks are split.
-    const bool transpose = (qsl[tasks[t].seq + 1] - qsl[tasks[t].seq]) * G >= kTransposeMinRows;
+    const bool transpose = !reads_keys_in_place(qsl[tasks[t].seq + 1] - qsl[tasks[t].seq], G);
     auto* attend = transpose ? partial_attention<scalar_t, cache_t, true> : partial_attention<scalar_t, cache_t, false>;
     if constexpr (kHasBf16Dot && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>)
       if (transpose && bf16_dot_head_size(D)) attend = partial_attention<scalar_t, cache_t, true, true>;
@@ -419,7 +470,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
     at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const Task& first = tasks[groups[g].first];
-        const int64_t task_values = (first.j1 - first.j0) * G * (D + 2);
+        const int64_t task_values = first.rows(G) * (D + 2);
         opmath_t* local = thread_scratch<opmath_t, Use::kPartials>(groups[g].count * task_values);
         for (int64_t s = 0; s < groups[g].count; ++s)
           run_task(groups[g].first + s * groups[g].stride, local + s * task_values);
@@ -429,7 +480,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
     return;
   }
   const Task& last = tasks.back();
-  std::vector<opmath_t> partials((last.part + (last.j1 - last.j0) * G) * (D + 2));
+  std::vector<opmath_t> partials((last.part + last.rows(G)) * (D + 2));
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) run_task(t, partials.data() + tasks[t].part * (D + 2));
   });

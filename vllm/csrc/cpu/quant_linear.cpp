@@ -279,14 +279,15 @@ inline __m256i dot2_u8_s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
 // low nibbles (features 0-15 of each) are one vector and their high nibbles (16-31) another; x is
 // arranged to match once per call instead of shuffling the nibbles of every weight row:
 //   lo = [x(2p)[0:16], x(2p+1)[0:16]], hi = [x(2p)[16:32], x(2p+1)[16:32]]   (int8)
-//   bias = the lanes of 8 x (what the stored q + 8 adds),  scale = [xs(2p) x4, xs(2p+1) x4]
+//   bias = the lanes of 8 x (what the stored q + 8 adds); x's block scales stay where they are
 struct Int4Pairs {
   std::vector<__m256i> lo, hi, bias;
-  std::vector<__m256> scale;
+  const float* xs;  // x's block scales [2 npairs]
 };
 
 void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pairs& out) {
-  out.lo.resize(npairs), out.hi.resize(npairs), out.bias.resize(npairs), out.scale.resize(npairs);
+  out.lo.resize(npairs), out.hi.resize(npairs), out.bias.resize(npairs);
+  out.xs = xs;
   const auto half = [&](int64_t offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + offset)); };
   const __m256i eight = _mm256_set1_epi8(8);
   for (int64_t p = 0; p < npairs; ++p) {
@@ -294,37 +295,58 @@ void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pa
     out.lo[p] = _mm256_set_m128i(half(k + kBlock), half(k));
     out.hi[p] = _mm256_set_m128i(half(k + kBlock + 16), half(k + 16));
     out.bias[p] = dot2_u8_s8(eight, out.lo[p], eight, out.hi[p]);
-    out.scale[p] = _mm256_set_m128(_mm_set1_ps(xs[2 * p + 1]), _mm_set1_ps(xs[2 * p]));
   }
 }
 
 // Rows n .. n + kRows - 1 (int4, group 32, an even number of blocks) against one row of x laid
 // out by layout_int4_pairs: out[r] = their sums. Per pair of blocks and row: one load, two masks,
-// one integer dot, one fp32 multiply-add. The first row of x asks for the weights and scales 8 KB
-// (of weights) ahead of the tile, in memory order: a tile of short rows is too many short streams
-// for the hardware prefetcher.
+// one integer dot, one fp32 multiply-add by the pair's scales. The scales of four pairs (eight
+// blocks) are multiplied with x's in one vector per row, and each pair takes its two from there
+// by a permute: the per-pair load, permute and multiply were a fifth of the loop's instructions.
+// The first row of x asks for the weights and scales 8 KB (of weights) ahead of the tile, in
+// memory order: a tile of short rows is too many short streams for the hardware prefetcher.
 template <int kRows, bool kPrefetch>
 void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t G, const Int4Pairs& x,
                     int64_t npairs, float* out) {
   constexpr int64_t kAhead = 8192;
+  alignas(32) static constexpr int32_t kPairLanes[4][8] = {
+      {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < npairs; ++p) {
+  const auto ask = [&](int64_t p) {
     if constexpr (kPrefetch) {
       const char* ahead = reinterpret_cast<const char*>(rows) + kAhead + p * kRows * kBlock;
       for (int64_t o = 0; o < kRows * kBlock; o += 64) vllm_cpu_bits::prefetch_line(ahead + o);
       if (p % 2 == 0)  // scales: 8 bytes a row and pair, a quarter of the weight bytes
         vllm_cpu_bits::prefetch_line(reinterpret_cast<const char*>(ws) + kAhead / 4 + p * kRows * 8);
     }
+  };
+  // acc[r] += the integer sum of pair p of row r, times d[r] (the pair's block scales by halves).
+  const auto add_pair = [&](int64_t p, int r, __m256 d) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_bytes + p * kBlock));
+    const __m256i lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+    const __m256i s = _mm256_sub_epi32(dot2_u8_s8(lo, x.lo[p], hi, x.hi[p]), x.bias[p]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
+  };
+  int64_t p = 0;
+  for (; p + 4 <= npairs; p += 4) {
+    const __m256 xs8 = _mm256_loadu_ps(x.xs + 2 * p);
+    __m256 d8[kRows];  // [kRows][8 blocks] weight scale x x scale
+    for (int r = 0; r < kRows; ++r) d8[r] = _mm256_mul_ps(xs8, _mm256_loadu_ps(ws + r * G + 2 * p));
+    for (int q = 0; q < 4; ++q) {
+      ask(p + q);
+      const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPairLanes[q]));
+      for (int r = 0; r < kRows; ++r) add_pair(p + q, r, _mm256_permutevar8x32_ps(d8[r], lanes));
+    }
+  }
+  for (; p < npairs; ++p) {
+    ask(p);
+    const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPairLanes[0]));
     for (int r = 0; r < kRows; ++r) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_bytes + p * kBlock));
-      const __m256i lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-      const __m256i s = _mm256_sub_epi32(dot2_u8_s8(lo, x.lo[p], hi, x.hi[p]), x.bias[p]);
       const __m128 w2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(ws + r * G + 2 * p));
-      const __m256 d = _mm256_mul_ps(x.scale[p], _mm256_permutevar8x32_ps(_mm256_castps128_ps256(w2), halves));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
+      const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x.xs + 2 * p));
+      add_pair(p, r, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(x2, w2)), lanes));
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);

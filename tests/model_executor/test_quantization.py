@@ -151,11 +151,14 @@ def test_native_kernel_does_not_depend_on_the_thread_count():
     assert torch.equal(two, one)
 
 
+@pytest.mark.parametrize("k", [576, 6144])
 @pytest.mark.parametrize("method", q.METHODS)
-def test_native_kernel_gives_a_row_the_same_result_in_any_batch(method):
-    """A token decoded alone or among others gets bitwise the same output (x is laid out per row)."""
+def test_native_kernel_gives_a_row_the_same_result_in_any_batch(method, k):
+    """A token decoded alone or among others gets bitwise the same output (x is laid out per row;
+    int4's long rows run one at a time alone and in tiles of four in a batch, with the nibbles
+    unpacked once for all rows of x)."""
     gen = torch.Generator().manual_seed(3)
-    weight, x = q.quantize(torch.randn(101, 576, generator=gen), method), torch.randn(16, 576, generator=gen)
+    weight, x = q.quantize(torch.randn(101, k, generator=gen), method), torch.randn(16, k, generator=gen)
     batched = q.quantized_linear(x, weight, None)
     for i in (0, 5, 15):
         assert torch.equal(q.quantized_linear(x[i:i + 1], weight, None), batched[i:i + 1])

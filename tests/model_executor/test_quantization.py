@@ -46,6 +46,7 @@ def test_int4_packs_two_per_byte_in_gguf_block_order():
     w[0, 0], w[0, 16], w[0, 5], w[0, 31] = 7.0, -7.0, 3.0, 1.0  # scale 1
     qw = q.quantize(w, "int4")
     assert qw.qweight.shape == (1, 16) and qw.qweight.dtype == torch.uint8 and qw.scales.shape == (1, 1)
+    assert qw.scales.dtype == torch.bfloat16 and qw.nbytes == 16 + 2  # Q4_0's 4.5 bits a weight
     packed = qw.qweight[0].tolist()
     assert packed[0] == (7 + 8) | ((-7 + 8) << 4)  # element 0 low nibble, element 16 high nibble
     assert packed[5] == (3 + 8) | (8 << 4)
@@ -128,10 +129,12 @@ def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
 
 # (method, K, group): per channel with a short last activation block, GGUF Q8_0 (32) and Q6_K (16)
 # groups, groups the vector path does not take (24, 48: the scalar path), int4 groups of 64, int4
-# groups of 32 over an odd number of blocks (the per-block path), over SmolLM2's 576 features
-# (18 blocks: the paired path) and over 6,144 (rows of 3 KB: the paired path one row at a time).
+# groups of 32 over an odd number of blocks (the per-block path, bf16 scales read as an fp32
+# copy), over SmolLM2's 576 features (18 blocks: the paired path, on bf16 scales as quantized at
+# load and on fp32 ones as GGUF's Q4_0 gives) and over 6,144 (rows of 3 KB: the paired path one
+# row at a time).
 GROUPED = [("int8", 40, None), ("int8", 96, 32), ("int8", 96, 16), ("int8", 72, 24), ("int8", 96, 48),
-           ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None), ("int4", 6144, None)]
+           ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None), ("int4", 576, 32), ("int4", 6144, None)]
 
 
 @pytest.mark.parametrize(("method", "k", "group"), GROUPED)
@@ -199,7 +202,7 @@ def test_quantized_layer_keeps_no_full_precision_copy():
     reference = q.reference_linear(x, q.quantize(layer.weight, "int4")) + layer.bias
     layer.quantize("int4")
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.float32
-    assert layer.weight_nbytes == 64 * 32 + 64 * 2 * 4  # half a byte per weight + one fp32 scale per 32
+    assert layer.weight_nbytes == 64 * 32 + 64 * 2 * 2  # half a byte per weight + one bf16 scale per 32
     layer.pack_for_onednn(batch_hint=64)  # a quantized layer stays quantized
     torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-5)
 

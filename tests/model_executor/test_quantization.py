@@ -147,6 +147,18 @@ def test_native_kernel_on_every_weight_grouping(method, k, group, rows):
     _check_kernel(q.quantized_linear(x, weight, None), x, weight)
 
 
+@pytest.mark.parametrize("k", [576, 96])  # the paired path reads them as stored; 3 blocks: an fp32 copy
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_kernel_reads_half_precision_scales(dtype, k, rows):
+    """bf16 scales (int4 quantized at load) and fp16 ones (GGUF Q4_0's d) against the reference."""
+    gen = torch.Generator().manual_seed(k + rows)
+    weight = q.quantize(torch.randn(37, k, generator=gen), "int4")
+    weight = q.QuantizedWeight("int4", weight.qweight, weight.scales.to(dtype), weight.group, k)
+    x = torch.randn(rows, k, generator=gen)
+    _check_kernel(q.quantized_linear(x, weight, None), x, weight)
+
+
 def test_native_kernel_does_not_depend_on_the_thread_count():
     gen = torch.Generator().manual_seed(0)
     weight, x = q.quantize(torch.randn(1000, 256, generator=gen), "int4"), torch.randn(3, 256, generator=gen)

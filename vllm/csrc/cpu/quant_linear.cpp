@@ -11,7 +11,7 @@
  *            byte j of block b of row n holds element 32 b + j in its low nibble and element
  *            32 b + j + 16 in its high nibble, both stored as q + 8:
  *            wq[n, k] = nibble - 8 in [-8, 7]                               qweight uint8 [N, K / 2]
- *     ws[n, k] = scales[n, k / group]                             scales fp32 or bf16 [N, K / group]
+ *     ws[n, k] = scales[n, k / group]                     scales fp32, bf16 or fp16 [N, K / group]
  *   activations, per row m and block b of 32 input features (the last block may be shorter):
  *     xs[m, b] = max_k |x[m, k]| / 127,  xq[m, k] = round_half_even(x[m, k] * (1 / xs[m, b]))
  *     (both fp32, 1 / xs taken as 0 for an all-zero block), clamped to [-127, 127]
@@ -21,8 +21,8 @@
  *
  * Shapes: x fp32 [M, K] contiguous; K a multiple of group. Checked before any work.
  *
- * Vector path (AVX2 + FMA, the compiler targeting them through -march=native): a block of 32
- * weights meets 32 int8 activations in _mm256_maddubs_epi16 + _mm256_madd_epi16 (unsigned x
+ * Vector path (AVX2 + FMA + F16C, the compiler targeting them through -march=native): a block of
+ * 32 weights meets 32 int8 activations in _mm256_maddubs_epi16 + _mm256_madd_epi16 (unsigned x
  * signed bytes), or one vpdpbusd where the compiler targets AVX512-VNNI or AVX-VNNI. int8: |w|
  * against x with w's sign, so w = -128 from a GGUF file stays exact; int4: the stored nibbles
  * (q + 8, unsigned) against x, less 8 x summed once per block of x. Each int32 lane holds 4
@@ -33,12 +33,12 @@
  * engine's own int4, GGUF Q4_0) takes a paired path instead: two blocks per 32-byte load, x laid
  * out once per call to match the nibbles (layout_int4_pairs), each pair's integer sum scaled once
  * by its two blocks' x and weight scales: 1.5-2.5x the per-block path's speed, 15-19 GB/s of
- * weights on one Zen 3 thread. It reads the scales as stored, fp32 or bf16 (int4 quantized at load:
- * 4-8% faster than fp32 scales on cold megabyte-sized matrices, 10% fewer bytes); the other paths
- * read bf16 scales from an fp32 copy made per call. Tiles ask for the weights 8 KB ahead of them by software
- * prefetch, in memory order: int8 rows under 4 KB (longer rows stream better on the hardware
- * prefetcher alone), every paired int4 tile (its rows of 3 KB or more go one at a time, so a tile
- * is one run of memory).
+ * weights on one Zen 3 thread. It reads the scales as stored, fp32, bf16 (int4 quantized at load)
+ * or fp16 (GGUF Q4_0's): 4-8% faster than fp32 scales on cold megabyte-sized matrices, 10% fewer
+ * bytes; the other paths read half-precision scales from an fp32 copy made per call. Tiles ask
+ * for the weights 8 KB ahead of them by software prefetch, in memory order: int8 rows under 4 KB
+ * (longer rows stream better on the hardware prefetcher alone), every paired int4 tile (its rows
+ * of 3 KB or more go one at a time, so a tile is one run of memory).
  *
  * Work split: x is quantized once per call, then at::parallel_for over output features, in
  * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call
@@ -61,7 +61,7 @@
 #include "bf16_bits.h"
 #include "prefetch.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VLLM_QUANT_AVX2 1
 #endif
@@ -301,18 +301,25 @@ void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pa
   }
 }
 
-// Weight scales as fp32 lanes, stored fp32 or bf16 (its bits, widened exactly): eight, or two in
-// the low lanes.
+// Weight scales as fp32 lanes, stored fp32, bf16 (its bits, widened) or fp16 (GGUF's d, F16C):
+// exactly, eight, or two in the low lanes.
 inline __m256 scales8(const float* ws) { return _mm256_loadu_ps(ws); }
 inline __m256 scales8(const uint16_t* ws) {
   return vllm_cpu_bits::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws)));
 }
-inline __m128 scales2(const float* ws) { return _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(ws)); }
-inline __m128 scales2(const uint16_t* ws) {
+inline __m256 scales8(const c10::Half* ws) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws)));
+}
+inline __m128i two_halves(const void* ws) {
   int32_t bits;
   std::memcpy(&bits, ws, sizeof(bits));
-  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_cvtsi32_si128(bits)), 16));
+  return _mm_cvtsi32_si128(bits);
 }
+inline __m128 scales2(const float* ws) { return _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(ws)); }
+inline __m128 scales2(const uint16_t* ws) {
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(two_halves(ws)), 16));
+}
+inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws)); }
 
 // Rows n .. n + kRows - 1 (int4, group 32, an even number of blocks) against one row of x laid
 // out by layout_int4_pairs: out[r] = their sums. Per pair of blocks and row: one load, two masks,
@@ -391,9 +398,10 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   TORCH_CHECK(qweight.size(1) * k_per_row_byte == K, "qweight holds ", qweight.size(1) * k_per_row_byte,
               " input features per row, x has ", K);
   TORCH_CHECK(group > 0 && K % group == 0, "group (", group, ") must divide K (", K, ")");
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16) &&
+  const auto scale_type = scales.scalar_type();
+  TORCH_CHECK((scale_type == at::kFloat || scale_type == at::kBFloat16 || scale_type == at::kHalf) &&
                   scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group,
-              "scales must be contiguous fp32 or bf16 [N, K / group]");
+              "scales must be contiguous fp32, bf16 or fp16 [N, K / group]");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
                   out.size(1) == N,
               "out must be contiguous fp32 [M, N]");
@@ -415,12 +423,16 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 #else
   const bool paired = false;
 #endif
-  // bf16 scales (int4 quantized at load) are read as stored by the paired path; the other paths
-  // read an fp32 copy (shapes this engine's own int4 rarely has: an odd number of blocks).
-  const bool bf16_scales = scales.scalar_type() == at::kBFloat16;
-  const at::Tensor fp32_scales = bf16_scales && !paired ? scales.to(at::kFloat) : scales;
+  // bf16 scales (int4 quantized at load) and fp16 ones (GGUF Q4_0's d) are read as stored by the
+  // paired path; the other paths read an fp32 copy (shapes int4 rarely has: an odd number of
+  // blocks).
+  const bool half_scales = scales.scalar_type() != at::kFloat;
+  const at::Tensor fp32_scales = half_scales && !paired ? scales.to(at::kFloat) : scales;
   const float* sp = fp32_scales.scalar_type() == at::kFloat ? fp32_scales.data_ptr<float>() : nullptr;
-  const uint16_t* sp16 = bf16_scales && paired ? static_cast<const uint16_t*>(scales.data_ptr()) : nullptr;
+  const bool read_half = half_scales && paired;
+  const uint16_t* sp_bf16 = read_half && scales.scalar_type() == at::kBFloat16
+                                ? static_cast<const uint16_t*>(scales.data_ptr()) : nullptr;
+  const c10::Half* sp_fp16 = read_half && scales.scalar_type() == at::kHalf ? scales.data_ptr<c10::Half>() : nullptr;
 #ifdef VLLM_QUANT_AVX2
   const bool vector = group == 16 || group % kBlock == 0 || G == 1;  // what dot_blocks handles
   const int64_t k_vector = vector ? (K / kBlock) * kBlock : 0;  // features the vector path covers
@@ -457,7 +469,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
       // A tile's unpacked nibbles, kept for the rows of x after the first ([kRows, npairs, 2]).
       std::vector<__m256i> kept(M > 1 ? kRowTile * nblocks : 0);
       __m256i* unpacked = kept.data();
-      const auto pair_tiles = [&](const auto* ws) {  // the scales as stored: fp32, or bf16 bits
+      const auto pair_tiles = [&](const auto* ws) {  // the scales as stored: fp32, bf16 bits or fp16
         using S = std::remove_const_t<std::remove_pointer_t<decltype(ws)>>;
         for (; n < end; n += kRowTile) {
           const auto rows = [&](auto rows_tag) {
@@ -480,8 +492,10 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
           }
         }
       };
-      if (sp16 != nullptr)
-        pair_tiles(sp16);
+      if (sp_bf16 != nullptr)
+        pair_tiles(sp_bf16);
+      else if (sp_fp16 != nullptr)
+        pair_tiles(sp_fp16);
       else
         pair_tiles(sp);
     } else if (k_vector > 0) {

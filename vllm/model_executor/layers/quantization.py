@@ -57,7 +57,7 @@ _SOURCE, _WHAT = "quant_linear.cpp", "CPU quantized-linear kernel"
 class QuantizedWeight:
     method: str  # "int8" | "int4"
     qweight: torch.Tensor  # int8 [N, K] or uint8 [N, K / 2]
-    scales: torch.Tensor  # fp32 or bf16 [N, K / group]
+    scales: torch.Tensor  # fp32, bf16 (int4 at load) or fp16 (GGUF Q4_0) [N, K / group]
     group: int
     in_features: int
     offsets: Optional[torch.Tensor] = None  # fp32 [N, K / group], added to every weight of its group

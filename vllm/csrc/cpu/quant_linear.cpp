@@ -354,14 +354,17 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
   };
   // acc[r] += the integer sum of pair p of row r, times d[r] (the pair's block scales by halves).
   const auto add_pair = [&](int64_t p, int r, __m256 d) {
-    __m256i* kept = unpacked + 2 * (r * npairs + p);
     __m256i lo, hi;
     if constexpr (kNibbles == Nibbles::kKept) {
+      const __m256i* kept = unpacked + 2 * (r * npairs + p);
       lo = kept[0], hi = kept[1];
     } else {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_bytes + p * kBlock));
       lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-      if constexpr (kNibbles == Nibbles::kUnpackAndKeep) kept[0] = lo, kept[1] = hi;
+      if constexpr (kNibbles == Nibbles::kUnpackAndKeep) {
+        __m256i* kept = unpacked + 2 * (r * npairs + p);
+        kept[0] = lo, kept[1] = hi;
+      }
     }
     const __m256i s = _mm256_sub_epi32(dot2_u8_s8(lo, x.lo[p], hi, x.hi[p]), x.bias[p]);
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);

@@ -131,7 +131,7 @@ def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
 # groups, groups the vector path does not take (24, 48: the scalar path), int4 groups of 64, int4
 # groups of 32 over an odd number of blocks (the per-block path, bf16 scales read as an fp32
 # copy), over SmolLM2's 576 features (18 blocks: the paired path, on bf16 scales as quantized at
-# load and on fp32 ones as GGUF's Q4_0 gives) and over 6,144 (rows of 3 KB: the paired path one
+# load and on fp32 ones as GGUF's Q4_K gives) and over 6,144 (rows of 3 KB: the paired path one
 # row at a time).
 GROUPED = [("int8", 40, None), ("int8", 96, 32), ("int8", 96, 16), ("int8", 72, 24), ("int8", 96, 48),
            ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None), ("int4", 576, 32), ("int4", 6144, None)]

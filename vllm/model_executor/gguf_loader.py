@@ -6,8 +6,8 @@ HF names (`iterate_gguf_weights`) in which quantized tensors stay packed: each b
 `QuantizedWeight` (layers/quantization.py) that `Linear` and `LMHead` keep as they are. The
 tokenizer is read from the same metadata by vllm/tokenizer.py.
 
-Block formats (a tensor row is a run of blocks; ggml's fp16 d / dmin become fp32 exactly, but Q4_0's
-d, which stays fp16 as stored):
+Block formats (a tensor row is a run of blocks; ggml's fp16 d / dmin become fp32 exactly, except
+Q4_0's d, kept fp16 as stored):
   F32, F16, BF16                                   -> dense tensors
   Q8_0  blocks of 32: fp16 d, int8 q[32]            -> int8, group 32, scale d
   Q4_0  blocks of 32: fp16 d, 16 bytes of nibbles  -> int4 exactly as stored (our int4 is Q4_0's
@@ -182,8 +182,12 @@ def _decode(t) -> Union[torch.Tensor, QuantizedWeight]:
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q6_K": 210}
 
 
-def _fp16(b: torch.Tensor) -> torch.Tensor:  # [..., 2] bytes -> fp32 [...]
-    return b.contiguous().view(torch.float16).squeeze(-1).float()
+def _half(b: torch.Tensor) -> torch.Tensor:  # [..., 2] bytes -> fp16 [...]
+    return b.contiguous().view(torch.float16).squeeze(-1)
+
+
+def _fp16(b: torch.Tensor) -> torch.Tensor:  # [..., 2] bytes -> fp32 [...], exactly
+    return _half(b).float()
 
 
 def _q8_0(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
@@ -193,8 +197,8 @@ def _q8_0(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
 
 def _q4_0(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     # d stays fp16, as stored: the int4 kernel reads it so (4.5 bits a weight, not 5).
-    d = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1)
-    return QuantizedWeight("int4", blocks[..., 2:].reshape(n, k // 2).contiguous(), d.contiguous(), INT4_GROUP, k)
+    return QuantizedWeight("int4", blocks[..., 2:].reshape(n, k // 2).contiguous(),
+                           _half(blocks[..., :2]).contiguous(), INT4_GROUP, k)
 
 
 def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:

@@ -429,13 +429,8 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   // bf16 scales (int4 quantized at load) and fp16 ones (GGUF Q4_0's d) are read as stored by the
   // paired path; the other paths read an fp32 copy (shapes int4 rarely has: an odd number of
   // blocks).
-  const bool half_scales = scales.scalar_type() != at::kFloat;
-  const at::Tensor fp32_scales = half_scales && !paired ? scales.to(at::kFloat) : scales;
+  const at::Tensor fp32_scales = scales.scalar_type() != at::kFloat && !paired ? scales.to(at::kFloat) : scales;
   const float* sp = fp32_scales.scalar_type() == at::kFloat ? fp32_scales.data_ptr<float>() : nullptr;
-  const bool read_half = half_scales && paired;
-  const uint16_t* sp_bf16 = read_half && scales.scalar_type() == at::kBFloat16
-                                ? static_cast<const uint16_t*>(scales.data_ptr()) : nullptr;
-  const c10::Half* sp_fp16 = read_half && scales.scalar_type() == at::kHalf ? scales.data_ptr<c10::Half>() : nullptr;
 #ifdef VLLM_QUANT_AVX2
   const bool vector = group == 16 || group % kBlock == 0 || G == 1;  // what dot_blocks handles
   const int64_t k_vector = vector ? (K / kBlock) * kBlock : 0;  // features the vector path covers
@@ -495,10 +490,10 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
           }
         }
       };
-      if (sp_bf16 != nullptr)
-        pair_tiles(sp_bf16);
-      else if (sp_fp16 != nullptr)
-        pair_tiles(sp_fp16);
+      if (scales.scalar_type() == at::kBFloat16)
+        pair_tiles(static_cast<const uint16_t*>(scales.data_ptr()));
+      else if (scales.scalar_type() == at::kHalf)
+        pair_tiles(scales.data_ptr<c10::Half>());
       else
         pair_tiles(sp);
     } else if (k_vector > 0) {

@@ -1,6 +1,7 @@
 """Weight-only quantization of linear layers at load (`--quantization int8|int4`): weights
-stored in 8 or 4 bits with fp32 (int8) or bf16 (int4) scales; activations rounded to int8 per block of 32 where they
-meet them (GGUF Q8_0's scheme, as llama.cpp does); adapters in the model's dtype.
+stored in 8 or 4 bits with fp32 (int8) or bf16 (int4) scales (GGUF files: fp32, or Q4_0's fp16);
+activations rounded to int8 per block of 32 where they meet them (GGUF Q8_0's scheme, as
+llama.cpp does); adapters in the model's dtype.
 
 Semantics (the native kernel vllm/csrc/cpu/quant_linear.cpp computes the same):
     int8: per output channel (group = K): q = round(W / s) in [-127, 127], s = max|W[n]| / 127

@@ -7,8 +7,8 @@ machine's floors, in two tables:
           on Zen 3): ms, the KV bytes read per second, and the ratio of that rate to this
           machine's read bandwidth (a large sum) and copy bandwidth (the floors take the faster).
   prompt  one layer's prompt attention, the native kernel against the path that runs it otherwise
-          (torch_ref: SDPA per sequence), with GFLOP/s for each: where the two cross is where
-          attention/backends/cpu_native.py's MAX_QUERY_LEN belongs on this machine.
+          (torch_ref: SDPA per sequence), with GFLOP/s for each: whether the kernel's
+          MAX_QUERY_LEN (attention/backends/cpu_native.py: every length) holds on this machine.
 
     python -m benchmarks.cpu_attention                          # SmolLM2-135M's shapes, 1 thread
     python -m benchmarks.cpu_attention --heads 32 --kv-heads 8 --head-size 128 --layers 32  # Llama-8B's

@@ -1,8 +1,7 @@
-"""Native CPU attention: sequences with at most MAX_QUERY_LEN query tokens (all of them on
-AVX-512 CPUs, up to 1,024 elsewhere: decodes, an aLoRA's few tokens over a long cached
-conversation, prompts and chunks) run the C++ kernel of vllm/csrc/cpu/paged_attention.cpp,
-which reads keys and values in place from the paged KV cache; longer prefills run the torch
-reference. Same signature and semantics as
+"""Native CPU attention: every sequence (decodes, an aLoRA's few tokens over a long cached
+conversation, prompts and chunks of any length: MAX_QUERY_LEN) runs the C++ kernel of
+vllm/csrc/cpu/paged_attention.cpp, which reads keys and values in place from the paged KV
+cache; sequences above MAX_QUERY_LEN would run the torch reference. Same signature and semantics as
 vllm/attention/backends/torch_ref.py, which stays the reference and the test oracle,
 every AttentionVariant included: the kernel applies the sliding window (reading only the
 blocks the window touches), the logit soft cap and the sinks itself.
@@ -10,7 +9,7 @@ blocks the window touches), the logit soft cap and the sinks itself.
 Why: torch_ref gathers every block it reads into a contiguous copy and builds a mask
 before SDPA; with few query rows over a long context that copy and mask cost more than
 the attention itself. The kernel skips both, and for prompts its register-tiled loops over
-transposed key chunks run at 2-3x SDPA's rate where vectors are 512 bits wide.
+transposed key chunks run at 2-3x SDPA's rate where vectors are 512 bits wide, 0.95-1.8x with AVX2.
 
 Invariants:
   - The kernel is built on first use (the first Attention layer of an engine on CPU, never
@@ -32,7 +31,6 @@ from vllm import native_build
 from vllm.attention.backends import torch_ref
 from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.variant import PLAIN, AttentionVariant
-from vllm.platforms import cpu_has_avx512
 
 
 def unavailable_reason() -> Optional[str]:
@@ -62,18 +60,18 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         torch_ref.store_kv(key, value, kv_cache, slot_mapping)
 
 
-# Query tokens up to which a sequence runs the kernel rather than SDPA. Measured one thread, 9
-# query / 3 KV heads of 64, fp32 and bf16, on an AVX-512 EPYC (Zen 5 class): the kernel takes
-# 0.31x torch_ref's time for a 512-token prompt, 0.43x at 2,048, 0.48x at 4,096, 0.51x at 8,192
-# (165 GFLOP/s, flat from 2k to 16k: time stays proportional to FLOPs), and 0.34-0.42x for
-# 512-2,048 new tokens over a 2k-4k cached prefix: no limit there. Built for AVX2 on the same
-# machine (-mno-avx512f, torch at its AVX2 level) it took 0.61x at 512, 0.86-0.92x at 1,024,
-# 1.0x at 2,048 and 1.1x at 4,096, where SDPA's blocked GEMMs catch up. On a real AVX2 CPU (Zen 3
-# EPYC, benchmarks/cpu_attention.py) the same: 0.67-0.88x at 512, 0.92-1.18x at 1,024, 1.14-1.39x
-# at 2,048 (the kernel flat at 40-47 GFLOP/s), but 1.05-1.17x for 32-512 new tokens over a 2k
-# cached prefix, where SDPA's dense GEMMs run at 50-56 (docs/benchmarks.md). A prefill's partial
-# results are one group's at a time per thread (tens of KB), whatever the prompt's length.
-MAX_QUERY_LEN = 2**31 - 1 if cpu_has_avx512() else 1024
+# Query tokens up to which a sequence runs the kernel rather than SDPA: every length, on every
+# CPU. Measured one thread, 9 query / 3 KV heads of 64 (benchmarks/cpu_attention.py): on an
+# AVX-512 EPYC (Zen 5 class) the kernel takes 0.31x torch_ref's time for a 512-token prompt,
+# 0.43x at 2,048, 0.51x at 8,192 (165 GFLOP/s, flat from 2k to 16k: time stays proportional to
+# FLOPs), 0.34-0.42x for 512-2,048 new tokens over a 2k-4k cached prefix. On an AVX2 Zen 3 EPYC,
+# with 6-row register tiles and the keys transposed in 8 x 8 register tiles (at::vec's transpose
+# is scalar there), 0.55x at 512, 0.8x at 2,048 and for 512 new tokens over a 2k prefix, 0.95x at
+# 4,096 and 1.06x at 8,192 (the kernel flat at 55-65 GFLOP/s, SDPA's GEMMs reaching 60 at 8k); on
+# two threads 0.78-0.88x from 2,048 to 8,192 (a prompt's groups are taken costliest first). A
+# prefill's partial results are one group's at a time per thread (tens of KB), whatever the
+# prompt's length.
+MAX_QUERY_LEN = 2**31 - 1
 
 
 def paged_attention_rows(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

@@ -47,14 +47,16 @@ constexpr int kRowTile = 4;
 // Register tiles of the many-row path (keys transposed), sized to the vector registers (32 on
 // AVX-512, 16 on AVX2): the logits take kLogitRows query rows x kLogitVecs vectors of keys
 // (each key vector loaded once for all the rows, each query value broadcast once for
-// kLogitVecs vectors), the values kValueRows rows x kValueVecs vectors of features.
+// kLogitVecs vectors), the values kValueRows rows x kValueVecs vectors of features. On AVX2,
+// 6 x 2: twelve independent FMA chains cover the FMA's latency at two a cycle, where 4 x 2 (eight)
+// left prompts 20-35% slower on Zen 3.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kLogitRows = 8;
 constexpr int kValueRows = 6;
 constexpr int kValueVecs = 4;
 #else
-constexpr int kLogitRows = 4;
-constexpr int kValueRows = 4;
+constexpr int kLogitRows = 6;
+constexpr int kValueRows = 6;
 constexpr int kValueVecs = 2;  // 4 x 4 accumulators spilled (5-10% slower decodes on Zen 3)
 #endif
 constexpr int kLogitVecs = 2;
@@ -137,6 +139,59 @@ inline at::vec::Vectorized<float> load_row(const c10::BFloat16* p, int64_t w) {
 template <typename scalar_t>
 constexpr bool kReadInPlace =
     std::is_same_v<scalar_t, at::opmath_type<scalar_t>> || std::is_same_v<scalar_t, c10::BFloat16>;
+
+#if defined(CPU_CAPABILITY_AVX2)
+// out[j] = column j of the 8 x 8 tile in[0..7] (rows): unpack pairs, then quads, then halves.
+inline void transpose_8x8(const __m256 (&in)[8], __m256 (&out)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // rows 4i .. 4i + 3, lanes 0-1 and 2-3 of each pair
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    out[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+    out[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+  }
+}
+#endif
+
+// kt[d * ldk + t] = row t's feature d as an opmath value, for t < n and d < D (row t at
+// src + t * stride): a block's keys transposed for block_logits. On AVX2 in 8 x 8 register tiles
+// over the rows as stored (bf16 widened as it is loaded): at::vec's transpose is scalar there,
+// a sixth of a prompt's attention. Elsewhere at::vec's, over the rows converted into `scratch`
+// [n, D] where they are not in opmath type.
+template <typename scalar_t, typename opmath_t>
+inline void transpose_keys(const scalar_t* src, int64_t stride, int64_t n, int64_t D, opmath_t* scratch,
+                           opmath_t* kt, int64_t ldk) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<opmath_t, float> && kReadInPlace<scalar_t>) {
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) {
+        __m256 in[8], out[8];
+        for (int i = 0; i < 8; ++i) in[i] = load_row(src + (t + i) * stride + d, 8);
+        transpose_8x8(in, out);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(kt + (d + j) * ldk + t, out[j]);
+      }
+      for (; d < D; ++d)
+        for (int i = 0; i < 8; ++i) kt[d * ldk + t + i] = static_cast<float>(src[(t + i) * stride + d]);
+    }
+    for (; t < n; ++t)
+      for (int64_t d = 0; d < D; ++d) kt[d * ldk + t] = static_cast<float>(src[t * stride + d]);
+    return;
+  }
+#endif
+  int64_t row_stride = stride;
+  const opmath_t* rows = rows_as_opmath(src, n, stride, D, scratch, row_stride);
+  at::vec::transpose_mxn<opmath_t>(rows, row_stride, kt, ldk, n, D);
+}
 
 // logits[r][t] = <q[r], k_t> for t < n and the R rows of a tile; kt [D, ldk] holds the n keys
 // transposed (column t = key t; ldk >= n rounded up to kLogitVecs vectors), so each FMA advances

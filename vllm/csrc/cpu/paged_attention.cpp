@@ -69,6 +69,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -203,6 +204,21 @@ inline int64_t decode_heads_per_task(const std::vector<int64_t>& seqs, const int
   return (Hkv + parts - 1) / parts;
 }
 
+// The groups' indices by decreasing work (rows times keys over their tasks), ties in order.
+inline std::vector<int64_t> costliest_first(const std::vector<Group>& groups, const std::vector<Task>& tasks,
+                                            int64_t G) {
+  std::vector<int64_t> work(groups.size(), 0), order(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    order[g] = static_cast<int64_t>(g);
+    for (int64_t s = 0; s < groups[g].count; ++s) {
+      const Task& task = tasks[groups[g].first + s * groups[g].stride];
+      work[g] += task.rows(G) * (task.k1 - task.k0);
+    }
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+  return order;
+}
+
 // Partial results of one task: per row, the unnormalised output [D], then the max logit and the
 // sum of exp(logit - max) over the task's keys (-inf and 0 when the row attends to none of them).
 // kTranspose: the many-row path (keys transposed a chunk at a time) or the decode path (keys and
@@ -292,11 +308,11 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
                                         reinterpret_cast<float*>(kt2 + b * bs), ldk, nb, P);
         }
       } else if constexpr (kTranspose) {
-        for (int64_t b = 0; b * bs < n; ++b) {  // each block as opmath rows, transposed into the chunk
+        for (int64_t b = 0; b * bs < n; ++b) {  // each block transposed into the chunk as opmath values
           const int64_t nb = std::min(bs, n - b * bs);
-          k = rows_as_opmath(block_at(k_cache, head, start + b * bs, next), nb, token_stride, D, rows, stride);
+          block = block_at(k_cache, head, start + b * bs, next);
           for (int64_t t = 0; t < next.n; ++t) next.ask(t);  // many rows share each key: one burst is fine
-          at::vec::transpose_mxn<opmath_t>(k, stride, kt + b * bs, ldk, nb, D);
+          transpose_keys(block, token_stride, nb, D, rows, kt + b * bs, ldk);
         }
       } else {
         block = block_at(k_cache, head, start, next);
@@ -467,8 +483,14 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
     // Enough groups to share out (prefills): a thread runs a group's tasks into a buffer of its own
     // and merges them right away, while they are in its cache (merged later, they were read back
     // from memory), and no buffer grows with the prompt. The arithmetic is the same either way.
-    at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
+    // The threads take groups one at a time, costliest first: a causal prompt's later runs attend
+    // over more keys, and halves of the group list in order left one of two threads with 3/4 of
+    // the work.
+    const std::vector<int64_t> order = costliest_first(groups, tasks, G);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t i = next++; i < num_groups; i = next++) {
+        const int64_t g = order[i];
         const Task& first = tasks[groups[g].first];
         const int64_t task_values = first.rows(G) * (D + 2);
         opmath_t* local = thread_scratch<opmath_t, Use::kPartials>(groups[g].count * task_values);

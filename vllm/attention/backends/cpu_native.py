@@ -1,10 +1,10 @@
 """Native CPU attention: every sequence (decodes, an aLoRA's few tokens over a long cached
 conversation, prompts and chunks of any length: MAX_QUERY_LEN) runs the C++ kernel of
 vllm/csrc/cpu/paged_attention.cpp, which reads keys and values in place from the paged KV
-cache; sequences above MAX_QUERY_LEN would run the torch reference. Same signature and semantics as
-vllm/attention/backends/torch_ref.py, which stays the reference and the test oracle,
-every AttentionVariant included: the kernel applies the sliding window (reading only the
-blocks the window touches), the logit soft cap and the sinks itself.
+cache; sequences above MAX_QUERY_LEN would run the torch reference. Same signature and
+semantics as vllm/attention/backends/torch_ref.py, which stays the reference and the test
+oracle, every AttentionVariant included: the kernel applies the sliding window (reading only
+the blocks the window touches), the logit soft cap and the sinks itself.
 
 Why: torch_ref gathers every block it reads into a contiguous copy and builds a mask
 before SDPA; with few query rows over a long context that copy and mask cost more than

@@ -1,8 +1,8 @@
 /*
  * The inner loops of the CPU attention kernel (paged_attention.cpp): register-tiled logits and
  * value sums over the paged KV cache's rows, the softmax numerators, the key transposes, and
- * the loads that widen bf16 rows in registers. Everything here is a function of its arguments (no task split, no
- * threads); the kernel's semantics and work split are paged_attention.cpp's.
+ * the loads that widen bf16 rows in registers. Everything here is a function of its arguments
+ * (no task split, no threads); the kernel's semantics and work split are paged_attention.cpp's.
  *
  * Two shapes of tile: a decode has few query rows per KV head, so its logits are dot products
  * on the keys in place (kRowTile rows share every key load); a prompt's many rows read keys

@@ -46,16 +46,15 @@
  * that merge as one more partial: max sink, sum 1, no value). With enough (sequence, KV heads,
  * run) groups for the threads (prefills), a thread runs a group's tasks one after the other and
  * merges them at once, the threads taking groups costliest first; otherwise (decodes) all tasks
- * run in parallel, then the merges. The key
- * split depends only on each sequence's own lengths (and the window), and neither which heads
- * share a task nor which thread runs a merge changes any arithmetic, so a row's arithmetic is
- * the same whatever else is in the batch and whatever the thread count: results are bitwise
- * reproducible.
+ * run in parallel, then the merges. The key split depends only on each sequence's own lengths
+ * (and the window), and neither which heads share a task nor which thread runs a merge changes
+ * any arithmetic, so a row's arithmetic is the same whatever else is in the batch and whatever
+ * the thread count: results are bitwise reproducible.
  *
  * Inner loops: with few rows per task (decodes), dot products on the keys in place, kRowTile
  * query rows sharing every load. With many, a chunk of kChunkKeys keys is transposed to
- * [D, keys] (transpose_keys) so that one vector FMA advances W keys of a query row, in register tiles of
- * kLogitRows rows x kLogitVecs vectors of keys; the values' tiles (kValueRows rows x kValueVecs
+ * [D, keys] (transpose_keys) so that one vector FMA advances W keys of a query row, in register
+ * tiles of kLogitRows rows x kLogitVecs vectors of keys; the values' tiles (kValueRows rows x kValueVecs
  * vectors of features) keep their accumulators in registers across the chunk's blocks.
  */
 

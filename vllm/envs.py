@@ -63,6 +63,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Seconds a tensor-parallel collective may wait for a peer before the engine is declared dead
     # (a hung rank); a rank that exits is noticed at once.
     "VLLM_TP_TIMEOUT_S": _float_or_none("VLLM_TP_TIMEOUT_S"),
+    # torch's switch for transparent huge pages under its CPU allocator (blocks of 2 MB and up),
+    # which CPU engines set to 1 unless the user did (platforms.use_cpu_huge_pages); 0 also keeps
+    # the weights and KV cache off the engine's huge-page arenas (vllm/worker/huge_pages.py).
+    "THP_MEM_ALLOC_ENABLE": _bool("THP_MEM_ALLOC_ENABLE", default=True),
     # Test-only fault injection, e.g. "step=3,tokenizer=BOOM" (see vllm/fault_injection.py).
     "VLLM_FAULT_INJECTION": _str("VLLM_FAULT_INJECTION"),
 }

@@ -22,16 +22,29 @@ from vllm.attention.metadata import AttentionMetadata
 from vllm.config import VllmConfig
 from vllm.core.kv_cache_utils import cdiv
 from vllm.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from vllm.model_executor.model_loader import get_model
 from vllm.platforms import use_onednn_linear
+from vllm.worker import huge_pages
 from vllm.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from vllm.worker.kv_cache import allocate_kv_caches, zero_blocks
 from vllm.worker.sampling_inputs import build_sampling_metadata
 
 
+logger = init_logger(__name__)
+
 # oneDNN packs weights for a typical row count; any row count works with the packing.
 _ONEDNN_BATCH_HINT = 64
+
+
+def _model_tensors(model: torch.nn.Module):
+    """Every tensor the model's forward reads: parameters, buffers and quantized weights."""
+    yield from model.parameters()
+    yield from model.buffers()
+    for module in model.modules():
+        for q in getattr(module, "quantized_weights", list)():
+            yield from q.tensors()
 
 
 class ModelRunner:
@@ -62,6 +75,10 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "pack_for_onednn"):  # Linear, LMHead
                     module.pack_for_onednn(batch_hint=_ONEDNN_BATCH_HINT)
+        if self.device.type == "cpu":
+            moved = huge_pages.move_to_huge_pages(_model_tensors(self.model))
+            if moved:
+                logger.info("Weights (%.0f MiB) on transparent huge pages", moved / 2**20)
 
     def _wrap_lora(self) -> None:
         switch = getattr(self.model_config.hf_config, "switch", None)

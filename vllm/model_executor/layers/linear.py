@@ -110,6 +110,10 @@ class Linear(nn.Module):
         self._packed = pack_onednn_weight(self.weight, batch_hint)
         self.weight.data = self.weight.data.new_empty(0)
 
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        """The weight's quantized form (one, or one per output slice); empty while dense."""
+        return [q for q in self._quantized if q is not None]
+
     @property
     def weight_nbytes(self) -> int:
         """Bytes of the weight however it is stored (dense, oneDNN-packed or quantized)."""

@@ -67,6 +67,10 @@ class QuantizedWeight:
     def out_features(self) -> int:
         return self.qweight.shape[0]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds (qweight, scales and offsets if any)."""
+        return [self.qweight, self.scales] + ([] if self.offsets is None else [self.offsets])
+
     @property
     def nbytes(self) -> int:
         offsets = 0 if self.offsets is None else self.offsets.numel() * 4

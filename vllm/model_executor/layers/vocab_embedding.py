@@ -145,6 +145,10 @@ class LMHead(nn.Module):
         if not self.tied:
             self.weight.data = self.weight.data.new_empty(0)
 
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        """The head's quantized form, if it has one."""
+        return [] if self._quantized is None else [self._quantized]
+
     @property
     def weight_nbytes(self) -> int:
         """Bytes of the head's own weight however it is stored (a tied dense head shares the embedding's)."""

@@ -68,6 +68,29 @@ def test_bf16_activations_come_back_in_bf16():
     torch.testing.assert_close(out, expected, atol=0, rtol=2 ** -7)  # at most one bf16 rounding apart
 
 
+@pytest.mark.parametrize("dtype", d.WEIGHT_DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, d.NATIVE_MAX_ROWS])
+def test_bf16_x_and_out_are_the_fp32_call_widened_and_rounded_once(dtype, rows):
+    """bf16 in, bf16 out: bit for bit the fp32 call on x widened, its out rounded by torch
+    (infinities included, NaN where it has NaN), without the conversions' passes around the kernel."""
+    op = torch.ops.vllm_dense.dense_gemv
+    for n, k in [*SHAPES, (19, 576)]:
+        x, weight, b = _inputs(rows, n, k, dtype, seed=rows + n + k)
+        x[0, 0], weight[1, 0] = float("inf"), 0.0  # row 0: inf * 0 = NaN in column 1, +-inf elsewhere
+        xb = x.bfloat16()
+        for bias in (None, b):
+            out = torch.empty(rows, n, dtype=torch.bfloat16)
+            op(out, xb, weight, bias)
+            fp32 = torch.empty(rows, n)
+            op(fp32, xb.float(), weight, bias)
+            expected = fp32.bfloat16()
+            # NaN's payload is not compared: torch's own vector and scalar casts give different ones.
+            assert torch.equal(out.isnan(), expected.isnan()) and out[0, 1].isnan()
+            assert torch.equal(out.nan_to_num(0).view(torch.int16), expected.nan_to_num(0).view(torch.int16))
+    x, weight, b = _inputs(2, 37, 77, dtype, seed=5)
+    assert torch.equal(d.native_linear(x.bfloat16(), weight, b), d.native_linear(x.bfloat16().float(), weight, b).bfloat16())
+
+
 def test_result_does_not_depend_on_threads_or_batching():
     """A row's output is bitwise the same on 1 or 2 threads and alone or among 16 rows."""
     x, weight, b = _inputs(d.NATIVE_MAX_ROWS, 1001, 1030, torch.float32, seed=2)
@@ -93,6 +116,11 @@ def test_portable_build_without_avx2_computes_the_same(tmp_path):
             torch.ops.vllm_dense_portable.dense_gemv(out, x, weight, b)
             _check(out, d.reference_linear(x, weight, b), k)
             _check(out, d.native_linear(x, weight, b), k)
+            out_bf16 = torch.empty(5, n, dtype=torch.bfloat16)  # bf16 x widened, out rounded as torch rounds
+            torch.ops.vllm_dense_portable.dense_gemv(out_bf16, x.bfloat16(), weight, b)
+            widened = torch.empty(5, n)
+            torch.ops.vllm_dense_portable.dense_gemv(widened, x.bfloat16().float(), weight, b)
+            assert torch.equal(out_bf16, widened.bfloat16())
 
 
 def test_avx2_build_equals_this_build_bitwise(tmp_path):
@@ -124,14 +152,17 @@ def test_bad_inputs_are_refused():
         d.native_linear(x, weight.half(), None)
     with pytest.raises(ValueError, match=r"bias must have shape \(6,\), got \(5,\)"):
         d.native_linear(x, weight, b[:5])
-    with pytest.raises(RuntimeError, match=r"x must be contiguous fp32 \[M, K\]"):
+    with pytest.raises(RuntimeError, match=r"x must be contiguous fp32 or bf16 \[M, K\], got Double"):
         op(torch.empty(2, 6), x.double(), weight, None)
     with pytest.raises(RuntimeError, match=r"weight must be contiguous fp32 or bf16 \[N, K\]"):
         op(torch.empty(2, 6), x, weight.t().contiguous().t(), None)
     with pytest.raises(RuntimeError, match="weight has 7 input features, x has 8"):
         op(torch.empty(2, 6), x, weight[:, :7].contiguous(), None)
-    with pytest.raises(RuntimeError, match=r"out must be contiguous fp32 \[M, N\] = \[2, 6\]"):
+    with pytest.raises(RuntimeError, match=r"out must be contiguous \[M, N\] = \[2, 6\] in x's dtype Float"):
         op(torch.empty(2, 5), x, weight, None)
+    with pytest.raises(RuntimeError, match=r"out must be contiguous \[M, N\] = \[2, 6\] in x's dtype BFloat16, "
+                                           r"got Float"):
+        op(torch.empty(2, 6), x.bfloat16(), weight, None)
     with pytest.raises(RuntimeError, match=r"bias must be contiguous fp32 \[N\] = \[6\]"):
         op(torch.empty(2, 6), x, weight, b.bfloat16())
 

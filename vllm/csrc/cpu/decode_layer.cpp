@@ -73,21 +73,24 @@ VLLM_CACHED_OP(store_op, StoreOp, "vllm_rotary_kv::store_kv")
 VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
 #undef VLLM_CACHED_OP
 
-// The engine's few-row linear (dense_gemv.py's _gemv / quantization.py's quantized_linear).
+// The engine's few-row linear (dense_gemv.py's _gemv / quantization.py's quantized_linear): a dense
+// one takes fp32 or bf16 x as it is and returns its dtype; a quantized one runs on fp32 x.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& bias,
                   int64_t kind, int64_t group) {
+  const bool has_bias = bias.numel() > 0;
+  if (kind == 0) {
+    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+    at::Tensor out = at::empty({xc.size(0), weight.size(0)}, xc.options());
+    OptTensor b;
+    if (has_bias) b = bias.scalar_type() == at::kFloat && bias.is_contiguous() ? bias : bias.to(at::kFloat).contiguous();
+    gemv_op().call(out, xc, weight, b);
+    return out;
+  }
   at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   if (!xf.is_contiguous()) xf = xf.contiguous();
   at::Tensor out = at::empty({xf.size(0), weight.size(0)}, xf.options());
-  const bool has_bias = bias.numel() > 0;
-  if (kind == 0) {
-    OptTensor b;
-    if (has_bias) b = bias.scalar_type() == at::kFloat && bias.is_contiguous() ? bias : bias.to(at::kFloat).contiguous();
-    gemv_op().call(out, xf, weight, b);
-  } else {
-    (kind == 8 ? int8_op() : int4_op()).call(out, xf, weight, scales, group);
-    if (has_bias) out.add_(bias.to(at::kFloat));
-  }
+  (kind == 8 ? int8_op() : int4_op()).call(out, xf, weight, scales, group);
+  if (has_bias) out.add_(bias.to(at::kFloat));
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 

@@ -1,13 +1,15 @@
 /*
  * Dense linear layers on the CPU for few rows of x (decodes, short chunks): fp32 or bf16 weights
- * read once per call, fp32 activations and accumulation. Built and loaded by
+ * read once per call, fp32 or bf16 activations, fp32 accumulation. Built and loaded by
  * vllm/model_executor/layers/dense_gemv.py through vllm/native_build.py.
  *
  * Semantics (dense_gemv.py's `reference_linear` computes the same in float64):
- *   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])            x fp32 [M, K], out fp32 [M, N]
+ *   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])     x fp32 or bf16 [M, K], out [M, N] in x's dtype
  *     w = weight[n, k] as fp32: fp32 weights as they are; bf16 weights widened exactly (the 16
- *     bits of a bf16 are the high half of the fp32 with the same value: a shift, no rounding).
- *     bias (optional) fp32 [N], added once after the sum.
+ *     bits of a bf16 are the high half of the fp32 with the same value: a shift, no rounding);
+ *     a bf16 x widened the same way. bias (optional) fp32 [N], added once after the sum. A bf16
+ *     out is that fp32 value rounded once to nearest even: what torch's .to(bfloat16) of the
+ *     fp32 out gives, without the two conversions' passes and allocations per call.
  *   Each (m, n) is summed in one fixed order: 8 lanes, lane j taking k = j, j + 8, ... over the
  *   first floor(K / 8) * 8 features (one fused multiply-add each), the lanes added pairwise as
  *   ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the last K % 8 products in k order
@@ -17,8 +19,8 @@
  *   order but may round each lane's products before adding them (no FMA): equal up to fp32
  *   rounding.
  *
- * Shapes: x fp32 [M, K] contiguous; weight fp32 or bf16 [N, K] contiguous; out fp32 [M, N]
- * contiguous. Checked before any work.
+ * Shapes: x fp32 or bf16 [M, K] contiguous; weight fp32 or bf16 [N, K] contiguous; out [M, N]
+ * contiguous, x's dtype. Checked before any work.
  *
  * Vector path (AVX2 + FMA, the compiler targeting them through -march=native): tiles of 4 weight
  * rows, each 8-feature load of x shared by the 4 rows and each weight load by 2 rows of x (8
@@ -70,7 +72,8 @@ constexpr int kZmmMinRows = 8;     // rows of x from which AVX-512 builds run zm
 constexpr int64_t kChunk = 1024;   // features per pass over a tile (4 rows fp32: 16 KB of L1)
 constexpr int64_t kTaskBytes = 64 * 1024;  // least weight bytes per parallel task
 
-using vllm_cpu_bits::widen;  // bf16 bits -> the fp32 of the same value; fp32 as is
+using vllm_cpu_bits::narrow;  // fp32 -> bf16 bits rounded to nearest even; fp32 as is
+using vllm_cpu_bits::widen;   // bf16 bits -> the fp32 of the same value; fp32 as is
 
 // The lanes' pairwise sum, in the order the header states.
 inline float lane_sum(const float* l) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
@@ -184,8 +187,8 @@ inline void pass(const W* w, const float* x, int64_t K, int64_t k0, int64_t k1, 
 }
 
 // Rows n .. n + R - 1 of the output for every row of x. acc: scratch of M * R / Vec::kRows registers.
-template <typename Vec, typename W, int R, Prefetch P>
-void tile(const W* w, const float* x, const float* bias, float* out, int64_t M, int64_t N, int64_t K, int64_t n,
+template <typename Vec, typename W, typename O, int R, Prefetch P>
+void tile(const W* w, const float* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t n,
           typename Vec::V* acc) {
   constexpr int NV = R / Vec::kRows;
   const int64_t k_vec = K / kLanes * kLanes;
@@ -220,7 +223,7 @@ void tile(const W* w, const float* x, const float* bias, float* out, int64_t M, 
       for (int h = 0; h < Vec::kRows; ++h) {
         const int r = v * Vec::kRows + h;
         const float sum = tail(wt + r * K, x + m * K, k_vec, K, lane_sum(lanes + h * kLanes));
-        out[m * N + n + r] = bias ? sum + bias[n + r] : sum;
+        out[m * N + n + r] = narrow<O>(bias ? sum + bias[n + r] : sum);
       }
     }
 }
@@ -243,25 +246,25 @@ struct Scratch {
 // EPYC thread, SmolLM2's shapes: 1.15-1.55x faster at 8 rows, 1.2-2x at 16, where the kernel is
 // compute-bound); fewer rows stream the weights as fast or faster in ymm tiles of 4 (zmm tiles
 // measured 0.8-1.0x at 1 and 4 rows). Both give bitwise the same sums.
-template <typename W, Prefetch P>
-void rows(const W* w, const float* x, const float* bias, float* out, int64_t M, int64_t N, int64_t K, int64_t n_begin,
+template <typename W, typename O, Prefetch P>
+void rows(const W* w, const float* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t n_begin,
           int64_t n_end, Scratch& scratch) {
   int64_t n = n_begin;
 #ifdef VLLM_DENSE_AVX512
   if (M >= kZmmMinRows) {
     for (; n + kZmmTile <= n_end; n += kZmmTile)
-      tile<Zmm, W, kZmmTile, P>(w, x, bias, out, M, N, K, n, scratch.zmm.data());
-    for (; n + 2 <= n_end; n += 2) tile<Zmm, W, 2, P>(w, x, bias, out, M, N, K, n, scratch.zmm.data());
+      tile<Zmm, W, O, kZmmTile, P>(w, x, bias, out, M, N, K, n, scratch.zmm.data());
+    for (; n + 2 <= n_end; n += 2) tile<Zmm, W, O, 2, P>(w, x, bias, out, M, N, K, n, scratch.zmm.data());
   }
 #endif
   for (; n + kYmmTile <= n_end; n += kYmmTile)
-    tile<Ymm, W, kYmmTile, P>(w, x, bias, out, M, N, K, n, scratch.ymm.data());
-  for (; n < n_end; ++n) tile<Ymm, W, 1, P>(w, x, bias, out, M, N, K, n, scratch.ymm.data());
+    tile<Ymm, W, O, kYmmTile, P>(w, x, bias, out, M, N, K, n, scratch.ymm.data());
+  for (; n < n_end; ++n) tile<Ymm, W, O, 1, P>(w, x, bias, out, M, N, K, n, scratch.ymm.data());
 }
 #else
 // One output row for every row of x, lanes as the vector path keeps them.
-template <typename W>
-void row(const W* w, const float* x, const float* bias, float* out, int64_t M, int64_t N, int64_t K, int64_t n) {
+template <typename W, typename O>
+void row(const W* w, const float* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t n) {
   const int64_t k_vec = K / kLanes * kLanes;
   const W* wr = w + n * K;
   for (int64_t m = 0; m < M; ++m) {
@@ -270,13 +273,13 @@ void row(const W* w, const float* x, const float* bias, float* out, int64_t M, i
     for (int64_t k = 0; k < k_vec; k += kLanes)
       for (int j = 0; j < kLanes; ++j) lanes[j] += xr[k + j] * widen(wr[k + j]);
     const float sum = tail(wr, xr, k_vec, K, lane_sum(lanes));
-    out[m * N + n] = bias ? sum + bias[n] : sum;
+    out[m * N + n] = narrow<O>(bias ? sum + bias[n] : sum);
   }
 }
 #endif
 
-template <typename W>
-void gemv(const W* w, const float* x, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
+template <typename W, typename O>
+void gemv(const W* w, const float* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K) {
   const int64_t tiles = (N + kRowTile - 1) / kRowTile;
   const int64_t tile_bytes = std::max<int64_t>(1, kRowTile * K * static_cast<int64_t>(sizeof(W)));
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / tile_bytes);
@@ -285,30 +288,40 @@ void gemv(const W* w, const float* x, const float* bias, float* out, int64_t M, 
 #ifdef VLLM_DENSE_AVX2
     Scratch acc(M);  // [M, registers of a tile] running lanes
     switch (prefetch_policy<W>(K)) {
-      case Prefetch::kLinear: rows<W, Prefetch::kLinear>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
-      case Prefetch::kNextTile: rows<W, Prefetch::kNextTile>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
-      case Prefetch::kNone: rows<W, Prefetch::kNone>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
+      case Prefetch::kLinear: rows<W, O, Prefetch::kLinear>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
+      case Prefetch::kNextTile: rows<W, O, Prefetch::kNextTile>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
+      case Prefetch::kNone: rows<W, O, Prefetch::kNone>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
     }
 #else
-    for (int64_t n = n_begin; n < n_end; ++n) row<W>(w, x, bias, out, M, N, K, n);
+    for (int64_t n = n_begin; n < n_end; ++n) row<W, O>(w, x, bias, out, M, N, K, n);
 #endif
   });
 }
 
+template <typename W>
+void gemv_to(const at::Tensor& out, const W* w, const float* x, const float* bias, int64_t M, int64_t N, int64_t K) {
+  if (out.scalar_type() == at::kFloat) {
+    gemv<W, float>(w, x, bias, out.data_ptr<float>(), M, N, K);
+  } else {
+    gemv<W, uint16_t>(w, x, bias, vllm_cpu_bits::elements<uint16_t>(out), M, N, K);
+  }
+}
+
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be contiguous fp32 [M, K], got ", x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.is_contiguous(),
+              "x must be contiguous fp32 or bf16 [M, K], got ", x.scalar_type(), " of shape ", x.sizes());
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
                   (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
               "weight must be contiguous fp32 or bf16 [N, K], got ", weight.scalar_type(), " of shape ",
               weight.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "weight has ", weight.size(1), " input features, x has ", K);
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M &&
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.size(0) == M &&
                   out.size(1) == N,
-              "out must be contiguous fp32 [M, N] = [", M, ", ", N, "], got ", out.scalar_type(), " of shape ",
-              out.sizes());
+              "out must be contiguous [M, N] = [", M, ", ", N, "] in x's dtype ", x.scalar_type(), ", got ",
+              out.scalar_type(), " of shape ", out.sizes());
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->size(0) == N,
@@ -316,12 +329,19 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
                 bias->sizes());
     bp = bias->data_ptr<float>();
   }
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  // A bf16 x widened once for the whole call (every tile reads it again): M * K floats.
+  std::vector<float> widened;
+  const float* xp = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;
+  if (xp == nullptr) {
+    const uint16_t* xb = vllm_cpu_bits::elements<uint16_t>(x);
+    widened.resize(static_cast<size_t>(M * K));
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = widen(xb[i]);
+    xp = widened.data();
+  }
   if (weight.scalar_type() == at::kFloat) {
-    gemv<float>(weight.data_ptr<float>(), xp, bp, op, M, N, K);
+    gemv_to<float>(out, weight.data_ptr<float>(), xp, bp, M, N, K);
   } else {
-    gemv<uint16_t>(vllm_cpu_bits::elements<uint16_t>(weight), xp, bp, op, M, N, K);
+    gemv_to<uint16_t>(out, vllm_cpu_bits::elements<uint16_t>(weight), xp, bp, M, N, K);
   }
 }
 

@@ -135,17 +135,17 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -
     Python cost the kernel's time again: each conversion and view only when it changes something."""
     n, k = weight.shape
     xf = x if x.dim() == 2 else x.reshape(-1, k)
-    if xf.dtype != torch.float32:
+    if xf.dtype not in WEIGHT_DTYPES:  # the kernel takes fp32 and bf16 x as they are
         xf = xf.float()
     if not xf.is_contiguous():
         xf = xf.contiguous()
-    out = torch.empty(xf.shape[0], n, dtype=torch.float32)  # [M, N]
+    out = torch.empty(xf.shape[0], n, dtype=xf.dtype)  # [M, N]
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
     torch.ops.vllm_dense.dense_gemv(out, xf, weight, bias)
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], n)
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 @functools.cache

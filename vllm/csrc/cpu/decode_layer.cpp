@@ -19,7 +19,7 @@
  *   gate, up = split(linear(h2, gate_up));  out = linear(silu(gate) * up, down) * m
  *   with m the residual multiplier (Granite's; the product is skipped where m = 1, as in Python)
  *   returns (out, o): the next layer's hidden state and residual.
- *   linear(x, W) is the engine's few-row linear: dense (fp32 out of the GEMV, in the model dtype)
+ *   linear(x, W) is the engine's few-row linear: dense (the GEMV on x in the model dtype, fp32 sums)
  *   or int8 / int4 (quantization.py's quantized_linear without GGUF offsets), bias included.
  *
  * A layer's arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o,

@@ -92,12 +92,16 @@ def test_bf16_x_and_out_are_the_fp32_call_widened_and_rounded_once(dtype, rows):
 
 
 def test_result_does_not_depend_on_threads_or_batching():
-    """A row's output is bitwise the same on 1 or 2 threads and alone or among 16 rows."""
+    """A row's output is bitwise the same on 1 or 2 threads, alone or among 16 rows of x, and
+    whichever weight rows share its tile (tiles take rows spread over the range: a weight with
+    rows cut off regroups them all)."""
     x, weight, b = _inputs(d.NATIVE_MAX_ROWS, 1001, 1030, torch.float32, seed=2)
     one, two = on_thread_counts(lambda: d.native_linear(x, weight, b))
     assert torch.equal(two, one)
     for row in (0, 7, d.NATIVE_MAX_ROWS - 1):
         assert torch.equal(d.native_linear(x[row:row + 1], weight, b), one[row:row + 1])
+    for start, stop in ((3, 1001), (0, 998), (250, 263)):
+        assert torch.equal(d.native_linear(x, weight[start:stop], b[start:stop]), one[:, start:stop])
 
 
 def test_portable_build_without_avx2_computes_the_same(tmp_path):

@@ -26,12 +26,12 @@
  * rows, each 8-feature load of x shared by the 4 rows and each weight load by 2 rows of x (8
  * accumulators, 4 weights and 2 x vectors in the 16 ymm registers). K is walked in chunks of
  * `kChunk` features, so a tile's chunk (4 rows x 1024 fp32 = 16 KB) stays in L1 while every row
- * of x passes over it; the running sums live in a small per-thread buffer between chunks. Tiles
- * ask for the weights ahead of them by software prefetch, as `prefetch_policy` picks from the row
- * length (hints only: reading past the last row does not fault). With AVX-512 and 8 or more rows
- * of x (where the kernel is compute-bound), tiles of 8 weight rows in zmm registers that each hold
- * two rows' 8 lanes against x's 8 features repeated: the same lanes summed in the same order, with
- * half the multiply-adds, each weight load shared by 4 rows of x.
+ * of x passes over it; the running sums live in a small per-thread buffer between chunks. A
+ * tile's rows are not neighbours but lie evenly apart over the task's rows (`strided_tiles`): each
+ * is its own sequential stream, pages apart, which the hardware prefetchers follow (see there).
+ * With AVX-512 and 8 or more rows of x (where the kernel is compute-bound), tiles of 8 weight rows
+ * in zmm registers that each hold two rows' 8 lanes against x's 8 features repeated: the same lanes
+ * summed in the same order, with half the multiply-adds, each weight load shared by 4 rows of x.
  *
  * Work split: at::parallel_for over tiles of output rows, at least ~64 KB of weight per task so
  * that the small layers of a small model do not pay a fork per few microseconds of work.
@@ -47,7 +47,6 @@
 #include <vector>
 
 #include "bf16_bits.h"
-#include "prefetch.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -108,8 +107,9 @@ struct Ymm {  // 8 lanes of one weight row
 };
 
 #ifdef VLLM_DENSE_AVX512
-// 8 lanes of each of two consecutive weight rows (row r in the low half, r + 1 in the high half)
-// against x's 8 features repeated in both halves: half the FMAs of Ymm for the same sums.
+// 8 lanes of each of two weight rows (the first in the low half, the one `row_stride` weights on
+// in the high half) against x's 8 features repeated in both halves: half the FMAs of Ymm for the
+// same sums.
 struct Zmm {
   using V = __m512;
   static constexpr int kRows = 2;
@@ -117,12 +117,12 @@ struct Zmm {
   static V zero() { return _mm512_setzero_ps(); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V x8(const float* x) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(x)); }
-  static V w8(const float* w, int64_t K) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w)), _mm256_loadu_ps(w + K), 1);
+  static V w8(const float* w, int64_t row_stride) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w)), _mm256_loadu_ps(w + row_stride), 1);
   }
-  static V w8(const uint16_t* w, int64_t K) {  // both rows' 8 bf16, widened as load8 does
+  static V w8(const uint16_t* w, int64_t row_stride) {  // both rows' 8 bf16, widened as load8 does
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + K));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + row_stride));
     const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
     return vllm_cpu_bits::widen16(both);
   }
@@ -130,53 +130,18 @@ struct Zmm {
 };
 #endif
 
-// How a tile asks for the weights ahead of it. The hardware prefetcher streams long rows well,
-// but a tile reads R rows side by side, and on short rows (SmolLM2's 576 features) those are R
-// streams of a few lines each that it barely learns. Measured one thread, Zen 3, weights far
-// beyond cache (GB/s of weights):
-//   rows under 3 KB (K = 576): kLinear, 8 KB ahead in memory order: fp32 11-12 -> 13-15,
-//     bf16 8-10 -> 14-18 (the LM head 49152 x 576 included);
-//   rows of 3-8 KB (K = 1536): kNextTile, the next tile's line at the same k: +5-50%;
-//   fp32 rows of 8 KB and more (K = 4096): kNone (19-22; the hint cost 5-10% there), bf16 rows
-//     there kNextTile (the widening slows the loop enough that the hardware falls behind).
-enum class Prefetch { kNone, kNextTile, kLinear };
-constexpr int64_t kLinearAhead = 8192;  // bytes ahead of the tile's read position (kLinear)
-
-template <typename W>
-Prefetch prefetch_policy(int64_t K) {
-  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
-  if (row_bytes < 3072) return Prefetch::kLinear;
-  if (row_bytes < 8192 || sizeof(W) == 2) return Prefetch::kNextTile;
-  return Prefetch::kNone;
-}
-
-// The hints for the step at feature k of the tile whose first row is w (a hint never faults,
-// even past the weight's end). The policy is a template parameter: no branch in the hot loop.
-template <typename W, int R, Prefetch P>
-inline void prefetch(const W* w, int64_t K, int64_t k) {
-  if constexpr (P == Prefetch::kNextTile) {
-    if (k % (64 / sizeof(W)) == 0)
-      for (int r = 0; r < R; ++r) vllm_cpu_bits::prefetch_line(reinterpret_cast<const char*>(w + (r + R) * K + k));
-  } else if constexpr (P == Prefetch::kLinear) {
-    // This step reads R * 8 weights; ask for as many bytes, kLinearAhead past the tile's share.
-    constexpr int64_t step_bytes = R * kLanes * sizeof(W);
-    const char* ahead = reinterpret_cast<const char*>(w) + kLinearAhead + (k / kLanes) * step_bytes;
-    for (int64_t b = 0; b < step_bytes; b += 64) vllm_cpu_bits::prefetch_line(ahead + b);
-  }
-}
-
-// Features [k0, k1) (multiples of 8) of rows w .. w + (R - 1) K against XR rows of x, in
-// registers of Vec; acc [XR][R / Vec::kRows] holds the running lanes in and out.
-template <typename Vec, typename W, int R, int XR, Prefetch P>
-inline void pass(const W* w, const float* x, int64_t K, int64_t k0, int64_t k1, typename Vec::V* acc) {
+// Features [k0, k1) (multiples of 8) of the R weight rows w + r * row_stride against XR rows of x,
+// in registers of Vec; acc [XR][R / Vec::kRows] holds the running lanes in and out.
+template <typename Vec, typename W, int R, int XR>
+inline void pass(const W* w, const float* x, int64_t K, int64_t row_stride, int64_t k0, int64_t k1,
+                 typename Vec::V* acc) {
   constexpr int NV = R / Vec::kRows;
   typename Vec::V a[XR][NV];
   for (int i = 0; i < XR; ++i)
     for (int v = 0; v < NV; ++v) a[i][v] = acc[i * NV + v];
   for (int64_t k = k0; k < k1; k += kLanes) {
     typename Vec::V wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = Vec::w8(w + v * Vec::kRows * K + k, K);
-    prefetch<W, R, P>(w, K, k);
+    for (int v = 0; v < NV; ++v) wv[v] = Vec::w8(w + v * Vec::kRows * row_stride + k, row_stride);
     for (int i = 0; i < XR; ++i) {
       const typename Vec::V xv = Vec::x8(x + i * K + k);
       for (int v = 0; v < NV; ++v) a[i][v] = Vec::fma(wv[v], xv, a[i][v]);
@@ -186,44 +151,36 @@ inline void pass(const W* w, const float* x, int64_t K, int64_t k0, int64_t k1, 
     for (int v = 0; v < NV; ++v) acc[i * NV + v] = a[i][v];
 }
 
-// Rows n .. n + R - 1 of the output for every row of x. acc: scratch of M * R / Vec::kRows registers.
-template <typename Vec, typename W, typename O, int R, Prefetch P>
+// Output rows n + r * rs (r < R) for every row of x. acc: scratch of M * R / Vec::kRows registers.
+template <typename Vec, typename W, typename O, int R>
 void tile(const W* w, const float* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t n,
-          typename Vec::V* acc) {
+          int64_t rs, typename Vec::V* acc) {
   constexpr int NV = R / Vec::kRows;
-  const int64_t k_vec = K / kLanes * kLanes;
+  constexpr int XR = Vec::kXRows;
+  const int64_t k_vec = K / kLanes * kLanes, row_stride = rs * K;
   for (int64_t i = 0; i < M * NV; ++i) acc[i] = Vec::zero();
   const W* wt = w + n * K;
+  // Only the first pass over a chunk reads memory: the rows of x after it find the tile in L1.
   for (int64_t k0 = 0; k0 < k_vec; k0 += kChunk) {
     const int64_t k1 = std::min(k_vec, k0 + kChunk);
     int64_t m = 0;
-    constexpr int XR = Vec::kXRows;
-    // Only the first pass over a chunk reads memory: the rows of x after it find the tile in L1.
-    if (M >= XR) {
-      pass<Vec, W, R, XR, P>(wt, x, K, k0, k1, acc);
-      m = XR;
-    }
-    for (; m + XR <= M; m += XR) pass<Vec, W, R, XR, Prefetch::kNone>(wt, x + m * K, K, k0, k1, acc + m * NV);
+    for (; m + XR <= M; m += XR) pass<Vec, W, R, XR>(wt, x + m * K, K, row_stride, k0, k1, acc + m * NV);
     if constexpr (XR > 2) {
       if (m + 2 <= M) {
-        if (m == 0) pass<Vec, W, R, 2, P>(wt, x, K, k0, k1, acc);
-        else pass<Vec, W, R, 2, Prefetch::kNone>(wt, x + m * K, K, k0, k1, acc + m * NV);
+        pass<Vec, W, R, 2>(wt, x + m * K, K, row_stride, k0, k1, acc + m * NV);
         m += 2;
       }
     }
-    for (; m < M; ++m) {
-      if (m == 0) pass<Vec, W, R, 1, P>(wt, x, K, k0, k1, acc);
-      else pass<Vec, W, R, 1, Prefetch::kNone>(wt, x + m * K, K, k0, k1, acc + m * NV);
-    }
+    for (; m < M; ++m) pass<Vec, W, R, 1>(wt, x + m * K, K, row_stride, k0, k1, acc + m * NV);
   }
   for (int64_t m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) {
       float lanes[kLanes * Vec::kRows];
       Vec::store(lanes, acc[m * NV + v]);
       for (int h = 0; h < Vec::kRows; ++h) {
-        const int r = v * Vec::kRows + h;
-        const float sum = tail(wt + r * K, x + m * K, k_vec, K, lane_sum(lanes + h * kLanes));
-        out[m * N + n + r] = narrow<O>(bias ? sum + bias[n + r] : sum);
+        const int64_t row = n + (v * Vec::kRows + h) * rs;
+        const float sum = tail(w + row * K, x + m * K, k_vec, K, lane_sum(lanes + h * kLanes));
+        out[m * N + row] = narrow<O>(bias ? sum + bias[row] : sum);
       }
     }
 }
@@ -241,25 +198,38 @@ struct Scratch {
 #endif
 };
 
-// Output rows [n_begin, n_end): tiles of kRowTile rows, then (zmm) pairs, then single rows.
-// With AVX-512, from kZmmMinRows rows of x on, tiles of 8 rows in zmm registers (one AVX-512
-// EPYC thread, SmolLM2's shapes: 1.15-1.55x faster at 8 rows, 1.2-2x at 16, where the kernel is
-// compute-bound); fewer rows stream the weights as fast or faster in ymm tiles of 4 (zmm tiles
-// measured 0.8-1.0x at 1 and 4 rows). Both give bitwise the same sums.
-template <typename W, typename O, Prefetch P>
+// Tiles of R rows over [n, n_end) whose rows lie q = (n_end - n) / R apart: tile i takes rows
+// n + i, n + i + q, ..., so each of its rows is a sequential stream pages away from the others.
+// Neighbouring rows (the tile reading R short rows side by side, a few lines each) are a pattern
+// the hardware prefetchers barely follow: one thread, Zen 3, weights far beyond cache, SmolLM2's
+// shapes read at 10-11 GB/s that way even with software prefetch 8 KB ahead, 14 (bf16) and 15-18
+// (fp32) strided with none (a plain sum: 14-16); long rows (K = 8192 fp32) the same either way.
+// Returns the first row left (fewer than R remain).
+template <typename Vec, typename W, typename O, int R>
+int64_t strided_tiles(const W* w, const float* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K,
+                      int64_t n, int64_t n_end, typename Vec::V* acc) {
+  const int64_t q = (n_end - n) / R;
+  for (int64_t i = 0; i < q; ++i) tile<Vec, W, O, R>(w, x, bias, out, M, N, K, n + i, q, acc);
+  return n + q * R;
+}
+
+// Output rows [n_begin, n_end): strided tiles of 4 (ymm) or, with AVX-512 and kZmmMinRows rows of
+// x, of 8 and then 2 (zmm); single rows for what is left. With AVX-512, tiles of 8 rows in zmm
+// registers (one AVX-512 EPYC thread, SmolLM2's shapes: 1.15-1.55x faster at 8 rows, 1.2-2x at
+// 16, where the kernel is compute-bound); fewer rows stream the weights as fast or faster in ymm
+// tiles of 4 (zmm tiles measured 0.8-1.0x at 1 and 4 rows). Both give bitwise the same sums.
+template <typename W, typename O>
 void rows(const W* w, const float* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t n_begin,
           int64_t n_end, Scratch& scratch) {
   int64_t n = n_begin;
 #ifdef VLLM_DENSE_AVX512
   if (M >= kZmmMinRows) {
-    for (; n + kZmmTile <= n_end; n += kZmmTile)
-      tile<Zmm, W, O, kZmmTile, P>(w, x, bias, out, M, N, K, n, scratch.zmm.data());
-    for (; n + 2 <= n_end; n += 2) tile<Zmm, W, O, 2, P>(w, x, bias, out, M, N, K, n, scratch.zmm.data());
+    n = strided_tiles<Zmm, W, O, kZmmTile>(w, x, bias, out, M, N, K, n, n_end, scratch.zmm.data());
+    n = strided_tiles<Zmm, W, O, 2>(w, x, bias, out, M, N, K, n, n_end, scratch.zmm.data());
   }
 #endif
-  for (; n + kYmmTile <= n_end; n += kYmmTile)
-    tile<Ymm, W, O, kYmmTile, P>(w, x, bias, out, M, N, K, n, scratch.ymm.data());
-  for (; n < n_end; ++n) tile<Ymm, W, O, 1, P>(w, x, bias, out, M, N, K, n, scratch.ymm.data());
+  n = strided_tiles<Ymm, W, O, kYmmTile>(w, x, bias, out, M, N, K, n, n_end, scratch.ymm.data());
+  for (; n < n_end; ++n) tile<Ymm, W, O, 1>(w, x, bias, out, M, N, K, n, 1, scratch.ymm.data());
 }
 #else
 // One output row for every row of x, lanes as the vector path keeps them.
@@ -287,11 +257,7 @@ void gemv(const W* w, const float* x, const float* bias, O* out, int64_t M, int6
     const int64_t n_begin = begin * kRowTile, n_end = std::min(N, end * kRowTile);
 #ifdef VLLM_DENSE_AVX2
     Scratch acc(M);  // [M, registers of a tile] running lanes
-    switch (prefetch_policy<W>(K)) {
-      case Prefetch::kLinear: rows<W, O, Prefetch::kLinear>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
-      case Prefetch::kNextTile: rows<W, O, Prefetch::kNextTile>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
-      case Prefetch::kNone: rows<W, O, Prefetch::kNone>(w, x, bias, out, M, N, K, n_begin, n_end, acc); break;
-    }
+    rows<W, O>(w, x, bias, out, M, N, K, n_begin, n_end, acc);
 #else
     for (int64_t n = n_begin; n < n_end; ++n) row<W, O>(w, x, bias, out, M, N, K, n);
 #endif

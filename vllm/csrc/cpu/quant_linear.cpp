@@ -35,15 +35,16 @@
  * by its two blocks' x and weight scales: 1.5-2.5x the per-block path's speed, 15-19 GB/s of
  * weights on one Zen 3 thread. It reads the scales as stored, fp32, bf16 (int4 quantized at load)
  * or fp16 (GGUF Q4_0's): 4-8% faster than fp32 scales on cold megabyte-sized matrices, 10% fewer
- * bytes; the other paths read half-precision scales from an fp32 copy made per call. Tiles ask
- * for the weights 8 KB ahead of them by software prefetch, in memory order: int8 rows under 4 KB
- * (longer rows stream better on the hardware prefetcher alone), every paired int4 tile (its rows
- * of 3 KB or more go one at a time, so a tile is one run of memory).
+ * bytes; the other paths read half-precision scales from an fp32 copy made per call. Paired int4
+ * tiles ask for the weights 8 KB ahead of them by software prefetch, in memory order (rows of
+ * 3 KB or more go one at a time, so a tile is one run of memory); the per-block path's tiles take
+ * rows spread over the task's range instead, each its own stream for the hardware prefetchers
+ * (see the work split).
  *
  * Work split: x is quantized once per call, then at::parallel_for over output features, in
  * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call
  * and stays in L1 across the few rows of x. Sums run in a fixed order per (m, n): results do not
- * depend on the thread count.
+ * depend on the thread count, nor on which rows share a tile.
  *
  * `round_activations` writes x' = xs * xq (fp32) for the torch path, which multiplies it by
  * dequantized weight tiles for many rows: one pass over x instead of torch's several.
@@ -75,7 +76,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // activation block, and the int4 packing block
 constexpr int kRowTile = 4;     // weight rows the vector path runs side by side
-constexpr int64_t kPrefetchRowBytes = 4096;  // shorter int8 rows get software prefetch
 // The paired int4 path runs rows this long one at a time: four of them side by side are four
 // streams 3+ KB apart, which neither the hardware prefetcher nor per-row software prefetch kept
 // fed (rows of 8,192 features: 13-14 GB/s cold on Zen 3); one row at a time reads memory in
@@ -204,25 +204,12 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Asks for the weights of block b of a tile of kRows rows, 8 KB ahead of it in memory order
-// (with kPrefetch; a template parameter: no branch in the hot loop). A tile
-// of short rows is too many short streams for the hardware prefetcher: int8 at K = 576 read
-// 6-7 GB/s of weights without the hint and 15-25 with it (one thread, Zen 3).
-template <bool kInt4, int kRows, bool kPrefetch>
-inline void prefetch_block(const uint8_t* rows, int64_t b) {
-  if constexpr (kPrefetch) {
-    constexpr int64_t kAhead = 8192, block_bytes = kInt4 ? kBlock / 2 : kBlock;
-    const char* ahead = reinterpret_cast<const char*>(rows) + kAhead + b * kRows * block_bytes;
-    for (int64_t o = 0; o < kRows * block_bytes; o += 64) vllm_cpu_bits::prefetch_line(ahead + o);
-  }
-}
-
-// Full blocks [0, nfull) of rows n .. n + kRows - 1 against one row of x: out[r] = their sums.
-// Several weight rows share each load of x and keep independent accumulators in flight.
-// group is 16, a multiple of 32, or K.
-template <bool kInt4, int kRows, bool kPrefetch>
+// Full blocks [0, nfull) of the kRows weight rows rs rows apart (rows + r * rs * row_bytes, their
+// scales ws + r * rs * G) against one row of x: out[r * rs] = their sums. Several weight rows share
+// each load of x and keep independent accumulators in flight. group is 16, a multiple of 32, or K.
+template <bool kInt4, int kRows>
 void dot_blocks(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t G, const int8_t* xq,
-                const float* xs, int64_t nfull, int64_t group, float* out) {
+                const float* xs, int64_t nfull, int64_t group, float* out, int64_t rs) {
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   if (group == 16) {
@@ -230,11 +217,10 @@ void dot_blocks(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
       const __m256i x_bias = block_bias<kInt4>(x);
       const __m256 x_scale = _mm256_broadcast_ss(xs + b);
-      prefetch_block<kInt4, kRows, kPrefetch>(rows, b);
       for (int r = 0; r < kRows; ++r) {
-        const float* wsr = ws + r * G + 2 * b;  // the two halves' weight scales
+        const float* wsr = ws + r * rs * G + 2 * b;  // the two halves' weight scales
         const __m256 d = _mm256_mul_ps(x_scale, _mm256_set_m128(_mm_broadcast_ss(wsr + 1), _mm_broadcast_ss(wsr)));
-        const __m256i s = block_dot<kInt4>(rows + r * row_bytes, b, x, x_bias);
+        const __m256i s = block_dot<kInt4>(rows + r * rs * row_bytes, b, x, x_bias);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
       }
     }
@@ -251,17 +237,16 @@ void dot_blocks(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
         const __m256i x_bias = block_bias<kInt4>(x);
         const __m256 x_scale = _mm256_broadcast_ss(xs + b);
-        prefetch_block<kInt4, kRows, kPrefetch>(rows, b);
         for (int r = 0; r < kRows; ++r) {
-          const __m256i s = block_dot<kInt4>(rows + r * row_bytes, b, x, x_bias);
+          const __m256i s = block_dot<kInt4>(rows + r * rs * row_bytes, b, x, x_bias);
           group_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), x_scale, group_acc[r]);
         }
       }
       for (int r = 0; r < kRows; ++r)
-        acc[r] = _mm256_fmadd_ps(group_acc[r], _mm256_broadcast_ss(ws + r * G + g), acc[r]);
+        acc[r] = _mm256_fmadd_ps(group_acc[r], _mm256_broadcast_ss(ws + r * rs * G + g), acc[r]);
     }
   }
-  for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < kRows; ++r) out[r * rs] = hsum(acc[r]);
 }
 
 // Lanes as dot_u8_s8 lays them out, of u1 x s1 + u2 x s2. The int16 pair sums of the two products
@@ -435,9 +420,6 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const bool vector = group == 16 || group % kBlock == 0 || G == 1;  // what dot_blocks handles
   const int64_t k_vector = vector ? (K / kBlock) * kBlock : 0;  // features the vector path covers
   std::vector<Int4Pairs> pairs(paired ? M : 0);
-  // Software prefetch for short rows only: on rows of 4 KB and more (Granite-8B's 4096 and 14336
-  // features in int8) the hardware prefetcher alone measured 10-35% faster.
-  const bool ask = row_bytes < kPrefetchRowBytes;
   // The paired int4 path: tiles of four rows where they are one run of memory, else single rows;
   // either way the first row of x asks for the tile ahead. With several rows of x the loop is
   // bound by arithmetic, not memory, and tiles of four (sharing x's loads) are the faster. A row's
@@ -453,15 +435,13 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
 #ifdef VLLM_QUANT_AVX2
-    // Tiles of four weight rows (then single rows) against every row of x: the tile stays in
-    // L1 while the rows of x pass over it.
-    const auto tile = [&](auto rows_tag) {
+    // Tiles of four weight rows rs apart (then single rows) against every row of x: the tile
+    // stays in L1 while the rows of x pass over it.
+    const auto tile = [&](auto rows_tag, int64_t rs) {
       constexpr int kRows = decltype(rows_tag)::value;
-      for (int64_t m = 0; m < M; ++m) {
-        const auto call = m == 0 && ask ? dot_blocks<kInt4, kRows, true> : dot_blocks<kInt4, kRows, false>;
-        call(qp + n * row_bytes, row_bytes, sp + n * G, G, xq.data() + m * K, xs.data() + m * nblocks,
-             k_vector / kBlock, group, op + m * N + n);
-      }
+      for (int64_t m = 0; m < M; ++m)
+        dot_blocks<kInt4, kRows>(qp + n * row_bytes, row_bytes, sp + n * G, G, xq.data() + m * K,
+                                 xs.data() + m * nblocks, k_vector / kBlock, group, op + m * N + n, rs);
     };
     if (!pairs.empty()) {
       // A tile's unpacked nibbles, kept for the rows of x after the first ([kRows, npairs, 2]).
@@ -497,8 +477,17 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
       else
         pair_tiles(sp);
     } else if (k_vector > 0) {
-      for (; n + kRowTile <= end; n += kRowTile) tile(std::integral_constant<int, kRowTile>());
-      for (; n < end; ++n) tile(std::integral_constant<int, 1>());
+      // Tile i takes rows n0 + i + j q (j < 4): four sequential streams pages apart, which the
+      // hardware prefetchers follow, where four neighbouring short rows are not (one Zen 3
+      // thread, cold, int8: SmolLM2's shapes 7-14 GB/s with software prefetch 8 KB ahead, 8-21
+      // this way with none; its LM head 8-13 -> 10-19; Granite's 2048 and 8192 features
+      // 11-12 -> 12-15). At several rows of x too (5-15% faster at 4).
+      const int64_t n0 = n, q = (end - n0) / kRowTile;
+      for (int64_t i = 0; i < q; ++i) {
+        n = n0 + i;
+        tile(std::integral_constant<int, kRowTile>(), q);
+      }
+      for (n = n0 + q * kRowTile; n < end; ++n) tile(std::integral_constant<int, 1>(), 1);
     }
 #endif
     for (; n < end; ++n)

@@ -134,7 +134,8 @@ def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
 # load and on fp32 ones as GGUF's Q4_K gives) and over 6,144 (rows of 3 KB: the paired path one
 # row at a time).
 GROUPED = [("int8", 40, None), ("int8", 96, 32), ("int8", 96, 16), ("int8", 72, 24), ("int8", 96, 48),
-           ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None), ("int4", 576, 32), ("int4", 6144, None)]
+           ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None), ("int4", 576, 32), ("int4", 6144, None),
+           ("int4", 128, 32), ("int4", 448, 32), ("int4", 640, 32)]  # paired: 2, 7, 10 pairs (fours and 2-3 more)
 
 
 @pytest.mark.parametrize(("method", "k", "group"), GROUPED)

@@ -31,9 +31,9 @@
  * per row) and a last short block take the scalar path, which does the same integer math and is
  * the whole kernel where AVX2 is absent. int4 in groups of 32 over an even number of blocks (this
  * engine's own int4, GGUF Q4_0) takes a paired path instead: two blocks per 32-byte load, x laid
- * out once per call to match the nibbles (layout_int4_pairs), each pair's integer sum scaled once
- * by its two blocks' x and weight scales: 1.5-2.5x the per-block path's speed, 15-19 GB/s of
- * weights on one Zen 3 thread. It reads the scales as stored, fp32, bf16 (int4 quantized at load)
+ * out once per call to match the nibbles (layout_int4_pairs), the integer sums of four pairs
+ * reduced to their eight blocks' sums and scaled at once by the blocks' x and weight scales:
+ * 1.5-2.5x the per-block path's speed, 15-19 GB/s of weights on one Zen 3 thread. It reads the scales as stored, fp32, bf16 (int4 quantized at load)
  * or fp16 (GGUF Q4_0's): 4-8% faster than fp32 scales on cold megabyte-sized matrices, 10% fewer
  * bytes; the other paths read half-precision scales from an fp32 copy made per call. Paired int4
  * tiles ask for the weights 8 KB ahead of them by software prefetch, in memory order (rows of
@@ -267,11 +267,21 @@ inline __m256i dot2_u8_s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
 // low nibbles (features 0-15 of each) are one vector and their high nibbles (16-31) another; x is
 // arranged to match once per call instead of shuffling the nibbles of every weight row:
 //   lo = [x(2p)[0:16], x(2p+1)[0:16]], hi = [x(2p)[16:32], x(2p+1)[16:32]]   (int8)
-//   bias = the lanes of 8 x (what the stored q + 8 adds); x's block scales stay where they are
+//   bias = the lanes of 8 x (what the stored q + 8 adds), per pair; bias8 the same summed per
+//   block, eight blocks (four pairs) a vector; x's block scales stay where they are
 struct Int4Pairs {
-  std::vector<__m256i> lo, hi, bias;
+  std::vector<__m256i> lo, hi, bias, bias8;
   const float* xs;  // x's block scales [2 npairs]
 };
+
+// The int32 lanes of four consecutive pairs (dot_u8_s8's layout: lanes 0-3 of pair p sum block
+// 2p, lanes 4-7 block 2p + 1) -> the eight blocks' sums, in block order. Exact integer sums.
+inline __m256i block_sums8(const __m256i* pair_lanes) {
+  // [B0 B2 B4 B6 | B1 B3 B5 B7]: hadd works within each 128-bit half
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(pair_lanes[0], pair_lanes[1]),
+                                      _mm256_hadd_epi32(pair_lanes[2], pair_lanes[3]));
+  return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 
 void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pairs& out) {
   out.lo.resize(npairs), out.hi.resize(npairs), out.bias.resize(npairs);
@@ -284,6 +294,8 @@ void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pa
     out.hi[p] = _mm256_set_m128i(half(k + kBlock + 16), half(k + 16));
     out.bias[p] = dot2_u8_s8(eight, out.lo[p], eight, out.hi[p]);
   }
+  out.bias8.resize(npairs / 4);
+  for (int64_t g = 0; g < npairs / 4; ++g) out.bias8[g] = block_sums8(&out.bias[4 * g]);
 }
 
 // Weight scales as fp32 lanes, stored fp32, bf16 (its bits, widened) or fp16 (GGUF's d, F16C):
@@ -308,9 +320,11 @@ inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws))
 
 // Rows n .. n + kRows - 1 (int4, group 32, an even number of blocks) against one row of x laid
 // out by layout_int4_pairs: out[r] = their sums. Per pair of blocks and row: one load, two masks,
-// one integer dot, one fp32 multiply-add by the pair's scales. The scales of four pairs (eight
-// blocks) are multiplied with x's in one vector per row, and each pair takes its two from there
-// by a permute: the per-pair load, permute and multiply were a fifth of the loop's instructions.
+// one integer dot. Per four pairs and row: their eight blocks' integer sums gathered into one
+// vector (three hadds and a permute), less x's bias, converted once and multiplied-added once
+// by the eight blocks' scales (weight's times x's, one vector). Converting, permuting scales and
+// adding per pair instead measured 5-30% slower at one row of x (one Zen 3 thread, cold and hot;
+// the same within noise at 2-16 rows). The pairs past the last four are scaled one by one.
 // The first row of x asks for the weights and scales 8 KB (of weights) ahead of the tile, in
 // memory order: a tile of short rows is too many short streams for the hardware prefetcher.
 // With several rows of x, the first also keeps the tile's unpacked nibbles in `unpacked`
@@ -322,8 +336,6 @@ template <int kRows, bool kPrefetch, Nibbles kNibbles, typename S>
 void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t G, const Int4Pairs& x,
                     int64_t npairs, float* out, __m256i* unpacked) {
   constexpr int64_t kAhead = 8192;
-  alignas(32) static constexpr int32_t kPairLanes[4][8] = {
-      {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
@@ -337,8 +349,8 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
                                      p * kRows * kScaleBytes);
     }
   };
-  // acc[r] += the integer sum of pair p of row r, times d[r] (the pair's block scales by halves).
-  const auto add_pair = [&](int64_t p, int r, __m256 d) {
+  // The int32 lanes of pair p of row r against x, before x's bias comes off.
+  const auto pair_lanes = [&](int64_t p, int r) {
     __m256i lo, hi;
     if constexpr (kNibbles == Nibbles::kKept) {
       const __m256i* kept = unpacked + 2 * (r * npairs + p);
@@ -351,27 +363,30 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
         kept[0] = lo, kept[1] = hi;
       }
     }
-    const __m256i s = _mm256_sub_epi32(dot2_u8_s8(lo, x.lo[p], hi, x.hi[p]), x.bias[p]);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
+    return dot2_u8_s8(lo, x.lo[p], hi, x.hi[p]);
   };
   int64_t p = 0;
   for (; p + 4 <= npairs; p += 4) {
     const __m256 xs8 = _mm256_loadu_ps(x.xs + 2 * p);
-    __m256 d8[kRows];  // [kRows][8 blocks] weight scale x x scale
-    for (int r = 0; r < kRows; ++r) d8[r] = _mm256_mul_ps(xs8, scales8(ws + r * G + 2 * p));
-    for (int q = 0; q < 4; ++q) {
-      ask(p + q);
-      const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPairLanes[q]));
-      for (int r = 0; r < kRows; ++r) add_pair(p + q, r, _mm256_permutevar8x32_ps(d8[r], lanes));
+    for (int q = 0; q < 4; ++q) ask(p + q);
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 d8 = _mm256_mul_ps(xs8, scales8(ws + r * G + 2 * p));  // [8 blocks] weight x x scale
+      __m256i lanes[4];
+      for (int q = 0; q < 4; ++q) lanes[q] = pair_lanes(p + q, r);
+      const __m256i sums = _mm256_sub_epi32(block_sums8(lanes), x.bias8[p / 4]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d8, acc[r]);
     }
   }
+  // The pairs past the last four (up to three; one on SmolLM2's 576 features), one at a time.
+  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // block 2p's scale, then 2p + 1's
   for (; p < npairs; ++p) {
     ask(p);
-    const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPairLanes[0]));
+    const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x.xs + 2 * p));
     for (int r = 0; r < kRows; ++r) {
-      const __m128 w2 = scales2(ws + r * G + 2 * p);
-      const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x.xs + 2 * p));
-      add_pair(p, r, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(x2, w2)), lanes));
+      const __m128 d2 = _mm_mul_ps(x2, scales2(ws + r * G + 2 * p));
+      const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), halves);
+      const __m256i s = _mm256_sub_epi32(pair_lanes(p, r), x.bias[p]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);

@@ -33,13 +33,13 @@
  * engine's own int4, GGUF Q4_0) takes a paired path instead: two blocks per 32-byte load, x laid
  * out once per call to match the nibbles (layout_int4_pairs), the integer sums of four pairs
  * reduced to their eight blocks' sums and scaled at once by the blocks' x and weight scales:
- * 1.5-2.5x the per-block path's speed, 15-19 GB/s of weights on one Zen 3 thread. It reads the scales as stored, fp32, bf16 (int4 quantized at load)
- * or fp16 (GGUF Q4_0's): 4-8% faster than fp32 scales on cold megabyte-sized matrices, 10% fewer
- * bytes; the other paths read half-precision scales from an fp32 copy made per call. Paired int4
- * tiles ask for the weights 8 KB ahead of them by software prefetch, in memory order (rows of
- * 3 KB or more go one at a time, so a tile is one run of memory); the per-block path's tiles take
- * rows spread over the task's range instead, each its own stream for the hardware prefetchers
- * (see the work split).
+ * 1.5-2.5x the per-block path's speed, 15-19 GB/s of weights on one Zen 3 thread. It reads the
+ * scales as stored, fp32, bf16 (int4 quantized at load) or fp16 (GGUF Q4_0's): 4-8% faster than
+ * fp32 scales on cold megabyte-sized matrices, 10% fewer bytes; the other paths read
+ * half-precision scales from an fp32 copy made per call. Paired int4 tiles ask for the weights
+ * 8 KB ahead of them by software prefetch, in memory order (rows of 3 KB or more go one at a time,
+ * so a tile is one run of memory); the per-block path's tiles take rows spread over the task's
+ * range instead, each its own stream for the hardware prefetchers (see the work split).
  *
  * Work split: x is quantized once per call, then at::parallel_for over output features, in
  * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "row_tiles.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -198,19 +199,16 @@ struct Scratch {
 #endif
 };
 
-// Tiles of R rows over [n, n_end) whose rows lie q = (n_end - n) / R apart: tile i takes rows
-// n + i, n + i + q, ..., so each of its rows is a sequential stream pages away from the others.
-// Neighbouring rows (the tile reading R short rows side by side, a few lines each) are a pattern
-// the hardware prefetchers barely follow: one thread, Zen 3, weights far beyond cache, SmolLM2's
-// shapes read at 10-11 GB/s that way even with software prefetch 8 KB ahead, 14 (bf16) and 15-18
-// (fp32) strided with none (a plain sum: 14-16); long rows (K = 8192 fp32) the same either way.
-// Returns the first row left (fewer than R remain).
+// Tiles of R rows spread over [n, n_end) (vllm_cpu_bits::for_strided_tiles): SmolLM2's shapes
+// read at 10-11 GB/s with a tile's rows neighbours even with software prefetch 8 KB ahead, 14
+// (bf16) and 15-18 (fp32) spread with none (a plain sum: 14-16); long rows (K = 8192 fp32) the
+// same either way. Returns the first row left (fewer than R remain).
 template <typename Vec, typename W, typename O, int R>
 int64_t strided_tiles(const W* w, const float* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K,
                       int64_t n, int64_t n_end, typename Vec::V* acc) {
-  const int64_t q = (n_end - n) / R;
-  for (int64_t i = 0; i < q; ++i) tile<Vec, W, O, R>(w, x, bias, out, M, N, K, n + i, q, acc);
-  return n + q * R;
+  return vllm_cpu_bits::for_strided_tiles<R>(n, n_end, [&](auto, int64_t first, int64_t q) {
+    tile<Vec, W, O, R>(w, x, bias, out, M, N, K, first, q, acc);
+  });
 }
 
 // Output rows [n_begin, n_end): strided tiles of 4 (ymm) or, with AVX-512 and kZmmMinRows rows of

@@ -61,6 +61,7 @@
 
 #include "bf16_bits.h"
 #include "prefetch.h"
+#include "row_tiles.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -450,13 +451,13 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
 #ifdef VLLM_QUANT_AVX2
-    // Tiles of four weight rows rs apart (then single rows) against every row of x: the tile
-    // stays in L1 while the rows of x pass over it.
-    const auto tile = [&](auto rows_tag, int64_t rs) {
+    // A tile of weight rows first, first + rs, ... against every row of x: the tile stays in L1
+    // while the rows of x pass over it.
+    const auto tile = [&](auto rows_tag, int64_t first, int64_t rs) {
       constexpr int kRows = decltype(rows_tag)::value;
       for (int64_t m = 0; m < M; ++m)
-        dot_blocks<kInt4, kRows>(qp + n * row_bytes, row_bytes, sp + n * G, G, xq.data() + m * K,
-                                 xs.data() + m * nblocks, k_vector / kBlock, group, op + m * N + n, rs);
+        dot_blocks<kInt4, kRows>(qp + first * row_bytes, row_bytes, sp + first * G, G, xq.data() + m * K,
+                                 xs.data() + m * nblocks, k_vector / kBlock, group, op + m * N + first, rs);
     };
     if (!pairs.empty()) {
       // A tile's unpacked nibbles, kept for the rows of x after the first ([kRows, npairs, 2]).
@@ -492,17 +493,12 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
       else
         pair_tiles(sp);
     } else if (k_vector > 0) {
-      // Tile i takes rows n0 + i + j q (j < 4): four sequential streams pages apart, which the
-      // hardware prefetchers follow, where four neighbouring short rows are not (one Zen 3
-      // thread, cold, int8: SmolLM2's shapes 7-14 GB/s with software prefetch 8 KB ahead, 8-21
-      // this way with none; its LM head 8-13 -> 10-19; Granite's 2048 and 8192 features
-      // 11-12 -> 12-15). At several rows of x too (5-15% faster at 4).
-      const int64_t n0 = n, q = (end - n0) / kRowTile;
-      for (int64_t i = 0; i < q; ++i) {
-        n = n0 + i;
-        tile(std::integral_constant<int, kRowTile>(), q);
-      }
-      for (n = n0 + q * kRowTile; n < end; ++n) tile(std::integral_constant<int, 1>(), 1);
+      // Tiles of four rows spread over the range (vllm_cpu_bits::for_strided_tiles), then single
+      // rows. One Zen 3 thread, cold, int8: SmolLM2's shapes 7-14 GB/s with neighbouring rows and
+      // software prefetch 8 KB ahead, 8-21 spread with none; its LM head 8-13 -> 10-19; Granite's
+      // 2048 and 8192 features 11-12 -> 12-15. At several rows of x too (5-15% faster at 4).
+      n = vllm_cpu_bits::for_strided_tiles<kRowTile>(n, end, tile);
+      for (; n < end; ++n) tile(vllm_cpu_bits::RowTile<1>{}, n, 1);
     }
 #endif
     for (; n < end; ++n)

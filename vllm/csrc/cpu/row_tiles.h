@@ -1,7 +1,8 @@
 /*
  * Walking rows in register tiles whose size is a compile-time constant, for the CPU kernels of
  * this folder: whole tiles of R rows, then one tile of the rows left (fewer than R), each call
- * getting its tile's row count as a type so the kernel's loops over it unroll.
+ * getting its tile's row count as a type so the kernel's loops over it unroll; or tiles whose
+ * rows lie evenly apart (weight rows streamed from memory).
  */
 
 #pragma once
@@ -38,6 +39,19 @@ inline void for_row_tiles(int64_t begin, int64_t end, F&& f) {
 template <int R, typename F>
 inline void for_row_tiles(int64_t M, F&& f) {
   for_row_tiles<R>(0, M, f);
+}
+
+// Tiles of R rows lying evenly apart over [begin, end): with q = (end - begin) / R, calls
+// f(RowTile<R>{}, begin + i, q) for i < q, tile i taking rows begin + i + j q (j < R). Each row of
+// a tile is then a sequential stream pages from the others, which the hardware prefetchers
+// follow; R neighbouring short rows read side by side are a pattern they barely learn (one Zen 3
+// thread, weights far beyond cache: dense_gemv.cpp and quant_linear.cpp measure it). Returns the
+// first row left: fewer than R remain from it.
+template <int R, typename F>
+inline int64_t for_strided_tiles(int64_t begin, int64_t end, F&& f) {
+  const int64_t q = (end - begin) / R;
+  for (int64_t i = 0; i < q; ++i) f(RowTile<R>{}, begin + i, q);
+  return begin + q * R;
 }
 
 }  // namespace vllm_cpu_bits

@@ -149,10 +149,11 @@ def test_native_kernel_on_every_weight_grouping(method, k, group, rows):
 
 
 @pytest.mark.parametrize("k", [576, 96])  # the paired path reads them as stored; 3 blocks: an fp32 copy
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_int4_kernel_reads_half_precision_scales(dtype, k, rows):
-    """bf16 scales (int4 quantized at load) and fp16 ones (GGUF Q4_0's d) against the reference."""
+def test_int4_kernel_reads_scales_as_stored(dtype, k, rows):
+    """bf16 scales (int4 quantized at load), fp16 ones (GGUF Q4_0's d) and fp32 ones against the
+    reference (the paired path reads each in its own even-then-odd block order)."""
     gen = torch.Generator().manual_seed(k + rows)
     weight = q.quantize(torch.randn(37, k, generator=gen), "int4")
     weight = q.QuantizedWeight("int4", weight.qweight, weight.scales.to(dtype), weight.group, k)

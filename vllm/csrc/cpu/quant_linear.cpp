@@ -269,19 +269,27 @@ inline __m256i dot2_u8_s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
 // arranged to match once per call instead of shuffling the nibbles of every weight row:
 //   lo = [x(2p)[0:16], x(2p+1)[0:16]], hi = [x(2p)[16:32], x(2p+1)[16:32]]   (int8)
 //   bias = the lanes of 8 x (what the stored q + 8 adds), per pair; bias8 the same summed per
-//   block, eight blocks (four pairs) a vector; x's block scales stay where they are
+//   block, eight blocks (four pairs) a vector in block_sums8's order; xs8 x's block scales in
+//   that order, eight blocks a vector; xs x's block scales as they are [2 npairs]
 struct Int4Pairs {
   std::vector<__m256i> lo, hi, bias, bias8;
-  const float* xs;  // x's block scales [2 npairs]
+  std::vector<__m256> xs8;
+  const float* xs;
 };
 
 // The int32 lanes of four consecutive pairs (dot_u8_s8's layout: lanes 0-3 of pair p sum block
-// 2p, lanes 4-7 block 2p + 1) -> the eight blocks' sums, in block order. Exact integer sums.
+// 2p, lanes 4-7 block 2p + 1) -> the eight blocks' sums, even blocks then odd ones:
+// [B0 B2 B4 B6 | B1 B3 B5 B7]. Unpacks and adds stay within each 128-bit half; putting the sums in
+// block order would take a cross-half permute per row, which measured 15-20% of the paired loop on
+// Zen 3, so the scales are read in this order instead (scales8_even_odd). Exact integer sums.
 inline __m256i block_sums8(const __m256i* pair_lanes) {
-  // [B0 B2 B4 B6 | B1 B3 B5 B7]: hadd works within each 128-bit half
-  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(pair_lanes[0], pair_lanes[1]),
-                                      _mm256_hadd_epi32(pair_lanes[2], pair_lanes[3]));
-  return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const auto interleave_add = [](__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+  };
+  // per half: [p0 p1 p0 p1], [p2 p3 p2 p3] (two of each pair's four lanes summed)
+  const __m256i s01 = interleave_add(pair_lanes[0], pair_lanes[1]);
+  const __m256i s23 = interleave_add(pair_lanes[2], pair_lanes[3]);
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
 }
 
 void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pairs& out) {
@@ -295,19 +303,30 @@ void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pa
     out.hi[p] = _mm256_set_m128i(half(k + kBlock + 16), half(k + 16));
     out.bias[p] = dot2_u8_s8(eight, out.lo[p], eight, out.hi[p]);
   }
-  out.bias8.resize(npairs / 4);
-  for (int64_t g = 0; g < npairs / 4; ++g) out.bias8[g] = block_sums8(&out.bias[4 * g]);
+  out.bias8.resize(npairs / 4), out.xs8.resize(npairs / 4);
+  const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  for (int64_t g = 0; g < npairs / 4; ++g) {
+    out.bias8[g] = block_sums8(&out.bias[4 * g]);
+    out.xs8[g] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs + 8 * g), even_odd);
+  }
 }
 
-// Weight scales as fp32 lanes, stored fp32, bf16 (its bits, widened) or fp16 (GGUF's d, F16C):
-// exactly, eight, or two in the low lanes.
-inline __m256 scales8(const float* ws) { return _mm256_loadu_ps(ws); }
-inline __m256 scales8(const uint16_t* ws) {
-  return vllm_cpu_bits::widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws)));
+// Eight blocks' weight scales, stored fp32, bf16 (its bits) or fp16 (GGUF's d), as fp32 lanes in
+// block_sums8's order [s0 s2 s4 s6 | s1 s3 s5 s7]. bf16: an even block's bits are the low half of
+// a 32-bit lane (shifted up they are its fp32), an odd block's the high half (masked they are).
+inline __m256 scales8_even_odd(const float* ws) {
+  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(ws), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }
-inline __m256 scales8(const c10::Half* ws) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws)));
+inline __m256 scales8_even_odd(const uint16_t* ws) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws));
+  return _mm256_castsi256_ps(
+      _mm256_set_m128i(_mm_and_si128(bits, _mm_set1_epi32(static_cast<int32_t>(0xFFFF0000u))), _mm_slli_epi32(bits, 16)));
 }
+inline __m256 scales8_even_odd(const c10::Half* ws) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws));
+  return _mm256_cvtph_ps(_mm_shuffle_epi8(bits, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)));
+}
+// Two blocks' weight scales as fp32 in the low lanes.
 inline __m128i two_halves(const void* ws) {
   int32_t bits;
   std::memcpy(&bits, ws, sizeof(bits));
@@ -322,10 +341,10 @@ inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws))
 // Rows n .. n + kRows - 1 (int4, group 32, an even number of blocks) against one row of x laid
 // out by layout_int4_pairs: out[r] = their sums. Per pair of blocks and row: one load, two masks,
 // one integer dot. Per four pairs and row: their eight blocks' integer sums gathered into one
-// vector (three hadds and a permute), less x's bias, converted once and multiplied-added once
-// by the eight blocks' scales (weight's times x's, one vector). Converting, permuting scales and
-// adding per pair instead measured 5-30% slower at one row of x (one Zen 3 thread, cold and hot;
-// the same within noise at 2-16 rows). The pairs past the last four are scaled one by one.
+// vector (block_sums8: six in-half unpacks and adds), less x's bias, converted once and
+// multiplied-added once by the eight blocks' scales (weight's times x's, one vector, in the same
+// even-then-odd order). Converting, permuting scales and adding per pair instead measured 5-30%
+// slower at one row of x (one Zen 3 thread, cold and hot; the same within noise at 2-16 rows). The pairs past the last four are scaled one by one.
 // The first row of x asks for the weights and scales 8 KB (of weights) ahead of the tile, in
 // memory order: a tile of short rows is too many short streams for the hardware prefetcher.
 // With several rows of x, the first also keeps the tile's unpacked nibbles in `unpacked`
@@ -368,10 +387,11 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
   };
   int64_t p = 0;
   for (; p + 4 <= npairs; p += 4) {
-    const __m256 xs8 = _mm256_loadu_ps(x.xs + 2 * p);
+    const __m256 xs8 = x.xs8[p / 4];
     for (int q = 0; q < 4; ++q) ask(p + q);
     for (int r = 0; r < kRows; ++r) {
-      const __m256 d8 = _mm256_mul_ps(xs8, scales8(ws + r * G + 2 * p));  // [8 blocks] weight x x scale
+      // [8 blocks, even then odd] weight scale x x scale
+      const __m256 d8 = _mm256_mul_ps(xs8, scales8_even_odd(ws + r * G + 2 * p));
       __m256i lanes[4];
       for (int q = 0; q < 4; ++q) lanes[q] = pair_lanes(p + q, r);
       const __m256i sums = _mm256_sub_epi32(block_sums8(lanes), x.bias8[p / 4]);

@@ -11,7 +11,7 @@ requests against base only. Each figure with its ratio to this machine's floor.
     python -m benchmarks.engine_steps --precision bf16 int4 fp32 --interleave 5 --kv-cache-dtype bfloat16
 
 Floors (benchmarks.common.Floor): a decode step reads every weight once plus the KV of
-the batch at the measured bandwidth (the faster of a read and a copy), or costs the batch's
+the batch at the measured bandwidth (the fastest of reads and a copy), or costs the batch's
 FLOPs at the measured matmul rate, whichever is slower; a prefill costs its FLOPs at the
 matmul rate. The KV bytes are the cache's dtype: --kv-cache-dtype bfloat16 gives every
 precision a bf16 cache (and its floor). A quantized model's weight bytes are its quantized

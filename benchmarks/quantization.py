@@ -1,6 +1,6 @@
 """Weight-only quantization on the CPU, per precision: the bytes of the linear weights and of the
 LM head (int8 per channel under both methods), the batch-1 decode step against its floor (those
-bytes read once at the measured bandwidth: the faster of a read and a copy),
+bytes read once at the measured bandwidth: the fastest of reads and a copy),
 and agreement with the fp32 model (greedy tokens on a fixed prompt set, mean |logprob|
 difference of the prompt tokens, teacher-forced so one early divergence does not decide it).
 Quantized layers round activations to int8 per block of 32 (see quantization.py) on every

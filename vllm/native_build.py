@@ -61,9 +61,9 @@ def _headers() -> bytes:
     return b"".join(path.read_bytes() for path in sorted(pathlib.Path(CSRC_CPU).glob("*.h")))
 
 
-def build_name(source: str) -> str:
+def build_name(source: str, folder: str = CSRC_CPU) -> str:
     """The extension's name: the source's stem and a hash of everything the build depends on."""
-    path = os.path.join(CSRC_CPU, source)
+    path = os.path.join(folder, source)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} is missing (an install without vllm's package data)")
     with open(path, "rb") as f:
@@ -87,12 +87,13 @@ def _clear_stale_lock(build_dir: str) -> None:
             os.remove(lock)
 
 
-def build_and_load(source: str, what: str) -> None:
-    """Compile (or load from cache) vllm/csrc/cpu/`source`, which registers its torch ops."""
+def build_and_load(source: str, what: str, folder: str = CSRC_CPU) -> None:
+    """Compile (or load from cache) `folder`/`source` (vllm/csrc/cpu/ unless a benchmark builds
+    its own), which registers its torch ops."""
     from torch.utils import cpp_extension
 
-    name = build_name(source)
-    path = os.path.join(CSRC_CPU, source)
+    name = build_name(source, folder)
+    path = os.path.join(folder, source)
     build_dir = cpp_extension._get_build_directory(name, verbose=False)
     _clear_stale_lock(build_dir)
     cached = os.path.exists(os.path.join(build_dir, name + ".so"))

@@ -163,15 +163,17 @@ def test_int4_kernel_reads_scales_as_stored(dtype, k, rows):
 
 @pytest.mark.parametrize("method", q.METHODS)
 def test_native_kernel_does_not_depend_on_the_thread_count_or_tiles(method):
-    """Bitwise the same on 1 or 2 threads, and whichever weight rows share a row's tile (int8's
-    tiles take rows spread over the range: a weight with rows cut off regroups them all)."""
+    """Bitwise the same on 1 or 2 threads, and whichever weight rows share a row's tile (tiles
+    take rows spread over the range for one row of x, and int8's for several: a weight with rows
+    cut off regroups them all), for one row of x and for three."""
     gen = torch.Generator().manual_seed(0)
     weight, x = q.quantize(torch.randn(1000, 256, generator=gen), method), torch.randn(3, 256, generator=gen)
-    one, two = on_thread_counts(lambda: q.quantized_linear(x, weight, None))
-    assert torch.equal(two, one)
-    for start, stop in ((3, 1000), (0, 997), (250, 263)):
-        part = q.QuantizedWeight(method, weight.qweight[start:stop], weight.scales[start:stop], weight.group, 256)
-        assert torch.equal(q.quantized_linear(x, part, None), one[:, start:stop])
+    for rows in (x[:1], x):
+        one, two = on_thread_counts(lambda: q.quantized_linear(rows, weight, None))
+        assert torch.equal(two, one)
+        for start, stop in ((3, 1000), (0, 997), (250, 263)):
+            part = q.QuantizedWeight(method, weight.qweight[start:stop], weight.scales[start:stop], weight.group, 256)
+            assert torch.equal(q.quantized_linear(rows, part, None), one[:, start:stop])
 
 
 @pytest.mark.parametrize("k", [576, 6144])

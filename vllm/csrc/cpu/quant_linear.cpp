@@ -36,10 +36,10 @@
  * 1.5-2.5x the per-block path's speed, 15-19 GB/s of weights on one Zen 3 thread. It reads the
  * scales as stored, fp32, bf16 (int4 quantized at load) or fp16 (GGUF Q4_0's): 4-8% faster than
  * fp32 scales on cold megabyte-sized matrices, 10% fewer bytes; the other paths read
- * half-precision scales from an fp32 copy made per call. Paired int4 tiles ask for the weights
- * 8 KB ahead of them by software prefetch, in memory order (rows of 3 KB or more go one at a time,
- * so a tile is one run of memory); the per-block path's tiles take rows spread over the task's
- * range instead, each its own stream for the hardware prefetchers (see the work split).
+ * half-precision scales from an fp32 copy made per call. For one row of x, tiles of both paths
+ * take rows spread over the task's range, each its own stream for the hardware prefetchers; for
+ * several, paired int4 tiles are neighbouring rows asked for 8 KB ahead by software prefetch
+ * (see the work split and quant_linear's comments).
  *
  * Work split: x is quantized once per call, then at::parallel_for over output features, in
  * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call
@@ -77,11 +77,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // activation block, and the int4 packing block
 constexpr int kRowTile = 4;     // weight rows the vector path runs side by side
-// The paired int4 path runs rows this long one at a time: four of them side by side are four
-// streams 3+ KB apart, which neither the hardware prefetcher nor per-row software prefetch kept
-// fed (rows of 8,192 features: 13-14 GB/s cold on Zen 3); one row at a time reads memory in
-// order, asked ahead: 19-20 GB/s. (int8's per-block path measured mixed that way: kept in 4s.)
-constexpr int64_t kLongRowBytes = 3072;
 
 // One row of x -> xq [K] and xs [ceil(K / 32)], as the header states.
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* xs) {
@@ -338,15 +333,16 @@ inline __m128 scales2(const uint16_t* ws) {
 }
 inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws)); }
 
-// Rows n .. n + kRows - 1 (int4, group 32, an even number of blocks) against one row of x laid
-// out by layout_int4_pairs: out[r] = their sums. Per pair of blocks and row: one load, two masks,
-// one integer dot. Per four pairs and row: their eight blocks' integer sums gathered into one
-// vector (block_sums8: six in-half unpacks and adds), less x's bias, converted once and
-// multiplied-added once by the eight blocks' scales (weight's times x's, one vector, in the same
-// even-then-odd order). Converting, permuting scales and adding per pair instead measured 5-30%
-// slower at one row of x (one Zen 3 thread, cold and hot; the same within noise at 2-16 rows). The pairs past the last four are scaled one by one.
-// The first row of x asks for the weights and scales 8 KB (of weights) ahead of the tile, in
-// memory order: a tile of short rows is too many short streams for the hardware prefetcher.
+// Weight rows n, n + rs, ..., n + (kRows - 1) rs (int4, group 32, an even number of blocks)
+// against one row of x laid out by layout_int4_pairs: out[r * rs] = their sums. Per pair of
+// blocks and row: one load, two masks, one integer dot. Per four pairs and row: their eight
+// blocks' integer sums gathered into one vector (block_sums8: six in-half unpacks and adds), less
+// x's bias, converted once and multiplied-added once by the eight blocks' scales (weight's times
+// x's, one vector, in the same even-then-odd order). Converting, permuting scales and adding per
+// pair instead measured 5-30% slower at one row of x (one Zen 3 thread, cold and hot; the same
+// within noise at 2-16 rows). The pairs past the last four are scaled one by one.
+// kPrefetch (neighbouring rows, rs = 1): the first row of x asks for the weights and scales 8 KB
+// (of weights) ahead of the tile, in memory order, a tile of short rows being one run of memory.
 // With several rows of x, the first also keeps the tile's unpacked nibbles in `unpacked`
 // [kRows, npairs, 2] and the others read them there (kNibbles) instead of unpacking the same
 // weights again (3 of the loop's 11 vector operations; 3-7% faster at 8 rows of x on Zen 3).
@@ -354,7 +350,7 @@ enum class Nibbles { kUnpack, kUnpackAndKeep, kKept };
 
 template <int kRows, bool kPrefetch, Nibbles kNibbles, typename S>
 void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t G, const Int4Pairs& x,
-                    int64_t npairs, float* out, __m256i* unpacked) {
+                    int64_t npairs, float* out, __m256i* unpacked, int64_t rs) {
   constexpr int64_t kAhead = 8192;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows];
@@ -376,7 +372,7 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
       const __m256i* kept = unpacked + 2 * (r * npairs + p);
       lo = kept[0], hi = kept[1];
     } else {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_bytes + p * kBlock));
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * rs * row_bytes + p * kBlock));
       lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
       if constexpr (kNibbles == Nibbles::kUnpackAndKeep) {
         __m256i* kept = unpacked + 2 * (r * npairs + p);
@@ -391,7 +387,7 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
     for (int q = 0; q < 4; ++q) ask(p + q);
     for (int r = 0; r < kRows; ++r) {
       // [8 blocks, even then odd] weight scale x x scale
-      const __m256 d8 = _mm256_mul_ps(xs8, scales8_even_odd(ws + r * G + 2 * p));
+      const __m256 d8 = _mm256_mul_ps(xs8, scales8_even_odd(ws + r * rs * G + 2 * p));
       __m256i lanes[4];
       for (int q = 0; q < 4; ++q) lanes[q] = pair_lanes(p + q, r);
       const __m256i sums = _mm256_sub_epi32(block_sums8(lanes), x.bias8[p / 4]);
@@ -404,13 +400,13 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
     ask(p);
     const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x.xs + 2 * p));
     for (int r = 0; r < kRows; ++r) {
-      const __m128 d2 = _mm_mul_ps(x2, scales2(ws + r * G + 2 * p));
+      const __m128 d2 = _mm_mul_ps(x2, scales2(ws + r * rs * G + 2 * p));
       const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), halves);
       const __m256i s = _mm256_sub_epi32(pair_lanes(p, r), x.bias[p]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
     }
   }
-  for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < kRows; ++r) out[r * rs] = hsum(acc[r]);
 }
 #endif
 
@@ -456,11 +452,13 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const bool vector = group == 16 || group % kBlock == 0 || G == 1;  // what dot_blocks handles
   const int64_t k_vector = vector ? (K / kBlock) * kBlock : 0;  // features the vector path covers
   std::vector<Int4Pairs> pairs(paired ? M : 0);
-  // The paired int4 path: tiles of four rows where they are one run of memory, else single rows;
-  // either way the first row of x asks for the tile ahead. With several rows of x the loop is
-  // bound by arithmetic, not memory, and tiles of four (sharing x's loads) are the faster. A row's
-  // sums are the same either way.
-  const bool single_rows = row_bytes >= kLongRowBytes && M == 1;
+  // The paired int4 path. One row of x (decodes of one sequence): tiles of four rows spread over
+  // the task's range (vllm_cpu_bits::for_strided_tiles), each row a stream of its own for the
+  // hardware prefetchers, no software prefetch: in the engine, Granite-3.3-2B's int4 decode step
+  // 9-10% faster than neighbouring rows asked 8 KB ahead (one Zen 3 thread, alternating steps in
+  // one process), SmolLM2's 1-5%. Several rows of x: neighbouring tiles of four, asked ahead,
+  // their nibbles unpacked once for all rows of x; there the loop is bound by arithmetic, and
+  // spread rows measured 5-25% slower. A row's sums are the same either way.
   for (int64_t m = 0; m < static_cast<int64_t>(pairs.size()); ++m)
     layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m]);
 #else
@@ -485,26 +483,25 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
       __m256i* unpacked = kept.data();
       const auto pair_tiles = [&](const auto* ws) {  // the scales as stored: fp32, bf16 bits or fp16
         using S = std::remove_const_t<std::remove_pointer_t<decltype(ws)>>;
-        for (; n < end; n += kRowTile) {
-          const auto rows = [&](auto rows_tag) {
-            constexpr int kRows = decltype(rows_tag)::value;
-            const auto call = [&](auto kernel, int64_t m) {
-              kernel(qp + n * row_bytes, row_bytes, ws + n * G, G, pairs[m], nblocks / 2, op + m * N + n, unpacked);
-            };
-            if (M == 1) {
-              call(dot_int4_pairs<kRows, true, Nibbles::kUnpack, S>, 0);
-              return;
-            }
-            call(dot_int4_pairs<kRows, true, Nibbles::kUnpackAndKeep, S>, 0);
-            for (int64_t m = 1; m < M; ++m) call(dot_int4_pairs<kRows, false, Nibbles::kKept, S>, m);
-          };
-          if (!single_rows && n + kRowTile <= end) {
-            rows(std::integral_constant<int, kRowTile>());
-          } else {
-            for (; n < end; ++n) rows(std::integral_constant<int, 1>());
-            break;
-          }
+        // Weight rows first, first + rs, ... against row m of x.
+        const auto call = [&](auto kernel, int64_t first, int64_t rs, int64_t m) {
+          kernel(qp + first * row_bytes, row_bytes, ws + first * G, G, pairs[m], nblocks / 2, op + m * N + first,
+                 unpacked, rs);
+        };
+        if (M == 1) {
+          n = vllm_cpu_bits::for_strided_tiles<kRowTile>(n, end, [&](auto rows_tag, int64_t first, int64_t rs) {
+            call(dot_int4_pairs<decltype(rows_tag)::value, false, Nibbles::kUnpack, S>, first, rs, 0);
+          });
+          for (; n < end; ++n) call(dot_int4_pairs<1, false, Nibbles::kUnpack, S>, n, 1, 0);
+          return;
         }
+        const auto rows_of_x = [&](auto rows_tag, int64_t first) {
+          constexpr int kRows = decltype(rows_tag)::value;
+          call(dot_int4_pairs<kRows, true, Nibbles::kUnpackAndKeep, S>, first, 1, 0);
+          for (int64_t m = 1; m < M; ++m) call(dot_int4_pairs<kRows, false, Nibbles::kKept, S>, first, 1, m);
+        };
+        for (; n + kRowTile <= end; n += kRowTile) rows_of_x(vllm_cpu_bits::RowTile<kRowTile>{}, n);
+        for (; n < end; ++n) rows_of_x(vllm_cpu_bits::RowTile<1>{}, n);
       };
       if (scales.scalar_type() == at::kBFloat16)
         pair_tiles(static_cast<const uint16_t*>(scales.data_ptr()));

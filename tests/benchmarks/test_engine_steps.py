@@ -19,6 +19,8 @@ def test_interleaved_decode_times_each_precision_every_round(tmp_path):
     assert set(interleaved) == {"fp32", "int8"}
     for figures in interleaved.values():
         assert len(figures["ms"]) == 3 and all(ms > 0 for ms in figures["ms"]) and figures["floor_ms"] > 0
+    # One bandwidth for every floor: the fastest measured over the run's rounds.
+    assert interleaved["fp32"]["floor_bandwidth_bytes_per_s"] == interleaved["int8"]["floor_bandwidth_bytes_per_s"] > 0
     assert interleaved["fp32"]["speedup_over_fp32"] == 1.0
     assert interleaved["int8"]["speedup_over_fp32"] > 0
 

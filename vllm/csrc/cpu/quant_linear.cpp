@@ -336,7 +336,7 @@ inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws))
 // Weight rows n, n + rs, ..., n + (kRows - 1) rs (int4, group 32, an even number of blocks)
 // against one row of x laid out by layout_int4_pairs: out[r * rs] = their sums. Per pair of
 // blocks and row: one load, two masks, one integer dot. Per four pairs and row: their eight
-// blocks' integer sums gathered into one vector (block_sums8: six in-half unpacks and adds), less
+// blocks' integer sums gathered into one vector (block_sums8: six in-half unpacks, three adds), less
 // x's bias, converted once and multiplied-added once by the eight blocks' scales (weight's times
 // x's, one vector, in the same even-then-odd order). Converting, permuting scales and adding per
 // pair instead measured 5-30% slower at one row of x (one Zen 3 thread, cold and hot; the same

@@ -131,8 +131,8 @@ def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
 # groups, groups the vector path does not take (24, 48: the scalar path), int4 groups of 64, int4
 # groups of 32 over an odd number of blocks (the per-block path, bf16 scales read as an fp32
 # copy), over SmolLM2's 576 features (18 blocks: the paired path, on bf16 scales as quantized at
-# load and on fp32 ones as GGUF's Q4_K gives) and over 6,144 (rows of 3 KB: the paired path one
-# row at a time).
+# load and on fp32 ones as GGUF's Q4_K gives) and over 6,144 (rows of 3 KB, the paired path on
+# long rows).
 GROUPED = [("int8", 40, None), ("int8", 96, 32), ("int8", 96, 16), ("int8", 72, 24), ("int8", 96, 48),
            ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None), ("int4", 576, 32), ("int4", 6144, None),
            ("int4", 128, 32), ("int4", 448, 32), ("int4", 640, 32)]  # paired: 2, 7, 10 pairs (fours and 2-3 more)
@@ -180,8 +180,8 @@ def test_native_kernel_does_not_depend_on_the_thread_count_or_tiles(method):
 @pytest.mark.parametrize("method", q.METHODS)
 def test_native_kernel_gives_a_row_the_same_result_in_any_batch(method, k):
     """A token decoded alone or among others gets bitwise the same output (x is laid out per row;
-    int4's long rows run one at a time alone and in tiles of four in a batch, with the nibbles
-    unpacked once for all rows of x)."""
+    int4's paired path takes tiles of rows spread over the range alone and neighbouring tiles in a
+    batch, with the nibbles unpacked once for all rows of x)."""
     gen = torch.Generator().manual_seed(3)
     weight, x = q.quantize(torch.randn(101, k, generator=gen), method), torch.randn(16, k, generator=gen)
     batched = q.quantized_linear(x, weight, None)

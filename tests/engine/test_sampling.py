@@ -103,8 +103,9 @@ def test_multibyte_detokenization(llm):
     assert outputs == ids
     # Now the incremental detokenizer over the whole sequence.
     from vllm.engine.detokenizer import IncrementalDetokenizer
+    from vllm.tokenizer import id_decoder
 
-    detok = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    detok = IncrementalDetokenizer(id_decoder(tok), prompt, SamplingParams())
     for i, token_id in enumerate(ids):
         detok.update([token_id], finished=i == len(ids) - 1)
     assert detok.text == text

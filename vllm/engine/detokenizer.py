@@ -15,14 +15,15 @@ from __future__ import annotations
 from typing import Optional
 
 from vllm.sampling_params import SamplingParams
+from vllm.tokenizer import IdDecoder
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
-        self.tokenizer = tokenizer
+    def __init__(self, decode: IdDecoder, prompt_token_ids: list[int], params: SamplingParams):
+        self.decode = decode  # vllm.tokenizer.id_decoder's: the tokenizer's decode, cheaper
         self.params = params
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -34,11 +35,7 @@ class IncrementalDetokenizer:
         self.stop_holdback = 0 if params.include_stop_str_in_output else max(self._max_stop_len - 1, 0)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.params.skip_special_tokens,
-            spaces_between_special_tokens=self.params.spaces_between_special_tokens,
-        )
+        return self.decode(ids, self.params.skip_special_tokens, self.params.spaces_between_special_tokens)
 
     def _delta(self, final: bool) -> str:
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])

@@ -23,7 +23,7 @@ from vllm.logger import init_logger
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestMetrics, RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.tokenizer import generation_eos_token_ids, get_tokenizer
+from vllm.tokenizer import generation_eos_token_ids, get_tokenizer, id_decoder
 from vllm.v1.metrics.reader import Metric, metrics_from_stats
 
 logger = init_logger(__name__)
@@ -54,7 +54,8 @@ class LLMEngine:
             lora_adapters=self.engine_core.lora_adapters,
             structured_output_manager=self.structured_output_manager,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.decode = id_decoder(self.tokenizer)
+        self.output_processor = OutputProcessor(self.decode)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, usage: str = "llm") -> "LLMEngine":
@@ -88,7 +89,7 @@ class LLMEngine:
                                             priority)
             )
             children.append(
-                SequenceState(child_id, i, child_params, IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params))
+                SequenceState(child_id, i, child_params, IncrementalDetokenizer(self.decode, prompt_ids, child_params))
             )
         parent = ParentState(
             request_id=request_id, prompt=text, prompt_token_ids=prompt_ids, params=params,

@@ -18,6 +18,7 @@ from vllm.engine.detokenizer import IncrementalDetokenizer
 from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.tokenizer import IdDecoder
 
 
 @dataclass
@@ -55,8 +56,9 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, decode: IdDecoder):
+        self.decode = decode
+        self._token_texts: dict[int, str] = {}  # a logprob token's own text, by id (a pure function of it)
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, SequenceState]] = {}
 
@@ -158,7 +160,9 @@ class OutputProcessor:
         result: dict[int, Logprob] = {}
         for k, (token_id, value) in enumerate(zip(entry.token_ids, entry.logprobs)):
             if token_id not in result:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                text = self._token_texts.get(token_id)
+                if text is None:
+                    text = self._token_texts[token_id] = self.decode([token_id], False, True)
                 result[token_id] = Logprob(value, entry.rank if k == 0 else k, text)
         return result
 

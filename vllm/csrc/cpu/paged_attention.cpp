@@ -86,6 +86,10 @@ using namespace vllm_attention_tiles;
 // and a head's rows strided (Hkv * D apart), which the hardware prefetchers follow poorly
 // (decodes took 2x as long without the asks); one block ahead measured best on Zen 3 (two: 5-10%
 // slower, four: 15-20%, where a task's block of every head already fills much of L1).
+// The asks fill L1 (prefetch_line). Asks into L2 only (prefetch_to_l2) read cold scattered blocks
+// 25-35% faster in benchmarks/cpu_attention.py, but in the engine, whose blocks the hardware
+// prefetchers mostly bring into L2 already, they measured the same (SmolLM2) to 46% slower
+// (Granite-3.3-2B, 512 tokens, fp32 cache, one Zen 3 thread).
 constexpr int64_t kPrefetchBlocks = 1;
 // Query tokens per task: more rows share each key and value read.
 constexpr int64_t kMaxTokensPerTask = 32;

@@ -59,6 +59,7 @@ def _both_paths(llm: LLM, tokenizer, lora=None):
     ("llama", dict(dtype="bfloat16")),
     ("llama", dict(dtype="float32", quantization="int8")),
     ("llama", dict(dtype="float32", quantization="int4")),
+    ("llama", dict(dtype="bfloat16", quantization="int4")),  # quantized linears on bf16 activations
     ("qwen2", dict(dtype="float32")),  # q/k/v biases
     ("granite", dict(dtype="float32")),  # residual and attention multipliers
     ("mistral_window", dict(dtype="float32")),  # a sliding window shorter than the prompts

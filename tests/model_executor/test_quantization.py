@@ -148,7 +148,9 @@ def test_native_kernel_on_every_weight_grouping(method, k, group, rows):
     _check_kernel(q.quantized_linear(x, weight, None), x, weight)
 
 
-@pytest.mark.parametrize("k", [576, 96])  # the paired path reads them as stored; 3 blocks: an fp32 copy
+# The paired path reads them as stored (2048: rows long enough that one row of x asks each row's
+# stream ahead); 3 blocks: an fp32 copy.
+@pytest.mark.parametrize("k", [576, 2048, 96])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_int4_kernel_reads_scales_as_stored(dtype, k, rows):

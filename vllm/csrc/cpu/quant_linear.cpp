@@ -77,6 +77,8 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // activation block, and the int4 packing block
 constexpr int kRowTile = 4;     // weight rows the vector path runs side by side
+// Rows from which one row of x asks each spread int4 row's stream ahead (Asks::kStreams).
+constexpr int64_t kStreamAskMinRowBytes = 512;
 
 // One row of x -> xq [K] and xs [ceil(K / 32)], as the header states.
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* xs) {
@@ -341,30 +343,51 @@ inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws))
 // x's, one vector, in the same even-then-odd order). Converting, permuting scales and adding per
 // pair instead measured 5-30% slower at one row of x (one Zen 3 thread, cold and hot; the same
 // within noise at 2-16 rows). The pairs past the last four are scaled one by one.
-// kPrefetch (neighbouring rows, rs = 1): the first row of x asks for the weights and scales 8 KB
-// (of weights) ahead of the tile, in memory order, a tile of short rows being one run of memory,
-// into L2 (prefetch_to_l2): asks into L1 held its few miss buffers (Granite-3.3-2B's shapes in
-// the engine, int4 decode of 4 rows, one Zen 3 thread: step 259 -> 218 ms; SmolLM2 the same).
+// Software prefetch into L2 (prefetch_to_l2: asks into L1 held its few miss buffers), by kAsks:
+//   kTile (neighbouring rows, rs = 1; the first row of x): the weights and scales 8 KB (of
+//     weights) ahead of the tile, in memory order, a tile of short rows being one run of memory
+//     (Granite-3.3-2B's shapes in the engine, int4 decode of 4 rows, one Zen 3 thread: step 259 ->
+//     218 ms against asks into L1; SmolLM2 the same).
+//   kStreams (rows spread rs apart, one row of x): each row's own stream 4 KB ahead, weights and
+//     scales, the next tiles' rows lying right after this one's. For rows of 512 bytes or more
+//     (quant_linear): Granite-3.3-2B int4 decode step 75 -> 71 ms in the engine (its 8192-feature
+//     rows 30% faster cold alone); SmolLM2's 288-byte rows were 10-20% slower with the asks.
 // With several rows of x, the first also keeps the tile's unpacked nibbles in `unpacked`
 // [kRows, npairs, 2] and the others read them there (kNibbles) instead of unpacking the same
 // weights again (3 of the loop's 11 vector operations; 3-7% faster at 8 rows of x on Zen 3).
 enum class Nibbles { kUnpack, kUnpackAndKeep, kKept };
+enum class Asks { kNone, kTile, kStreams };
 
-template <int kRows, bool kPrefetch, Nibbles kNibbles, typename S>
+template <int kRows, Asks kAsks, Nibbles kNibbles, typename S>
 void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t G, const Int4Pairs& x,
                     int64_t npairs, float* out, __m256i* unpacked, int64_t rs) {
-  constexpr int64_t kAhead = 8192;
+  constexpr int64_t kScaleBytes = 2 * sizeof(S);  // a row's per pair, against 32 of weights
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  // kTile: pair p of the tile, 8 KB on.
   const auto ask = [&](int64_t p) {
-    if constexpr (kPrefetch) {
+    if constexpr (kAsks == Asks::kTile) {
+      constexpr int64_t kAhead = 8192;
       const char* ahead = reinterpret_cast<const char*>(rows) + kAhead + p * kRows * kBlock;
       for (int64_t o = 0; o < kRows * kBlock; o += 64) vllm_cpu_bits::prefetch_to_l2(ahead + o);
-      constexpr int64_t kScaleBytes = 2 * sizeof(S);  // a row's per pair, against 32 of weights
       if (p % 2 == 0)
         vllm_cpu_bits::prefetch_to_l2(reinterpret_cast<const char*>(ws) + kAhead * kScaleBytes / kBlock +
                                      p * kRows * kScaleBytes);
+    }
+  };
+  // kStreams: pairs p .. p + 3 of every row (two lines), 4 KB on; their scales every 32 pairs.
+  const auto ask_streams = [&](int64_t p) {
+    if constexpr (kAsks == Asks::kStreams) {
+      constexpr int64_t kAhead = 4096;
+      for (int r = 0; r < kRows; ++r) {
+        const char* ahead = reinterpret_cast<const char*>(rows + r * rs * row_bytes + p * kBlock) + kAhead;
+        vllm_cpu_bits::prefetch_to_l2(ahead);
+        vllm_cpu_bits::prefetch_to_l2(ahead + 64);
+        if (p % 32 == 0)
+          vllm_cpu_bits::prefetch_to_l2(reinterpret_cast<const char*>(ws + r * rs * G) + p * kScaleBytes +
+                                       kAhead * kScaleBytes / kBlock);
+      }
     }
   };
   // The int32 lanes of pair p of row r against x, before x's bias comes off.
@@ -387,6 +410,7 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
   for (; p + 4 <= npairs; p += 4) {
     const __m256 xs8 = x.xs8[p / 4];
     for (int q = 0; q < 4; ++q) ask(p + q);
+    ask_streams(p);
     for (int r = 0; r < kRows; ++r) {
       // [8 blocks, even then odd] weight scale x x scale
       const __m256 d8 = _mm256_mul_ps(xs8, scales8_even_odd(ws + r * rs * G + 2 * p));
@@ -491,16 +515,23 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
                  unpacked, rs);
         };
         if (M == 1) {
-          n = vllm_cpu_bits::for_strided_tiles<kRowTile>(n, end, [&](auto rows_tag, int64_t first, int64_t rs) {
-            call(dot_int4_pairs<decltype(rows_tag)::value, false, Nibbles::kUnpack, S>, first, rs, 0);
-          });
-          for (; n < end; ++n) call(dot_int4_pairs<1, false, Nibbles::kUnpack, S>, n, 1, 0);
+          const auto spread = [&](auto asks_tag) {
+            n = vllm_cpu_bits::for_strided_tiles<kRowTile>(n, end, [&](auto rows_tag, int64_t first, int64_t rs) {
+              call(dot_int4_pairs<decltype(rows_tag)::value, decltype(asks_tag)::value, Nibbles::kUnpack, S>, first,
+                   rs, 0);
+            });
+          };
+          if (row_bytes >= kStreamAskMinRowBytes)
+            spread(std::integral_constant<Asks, Asks::kStreams>{});
+          else
+            spread(std::integral_constant<Asks, Asks::kNone>{});
+          for (; n < end; ++n) call(dot_int4_pairs<1, Asks::kNone, Nibbles::kUnpack, S>, n, 1, 0);
           return;
         }
         const auto rows_of_x = [&](auto rows_tag, int64_t first) {
           constexpr int kRows = decltype(rows_tag)::value;
-          call(dot_int4_pairs<kRows, true, Nibbles::kUnpackAndKeep, S>, first, 1, 0);
-          for (int64_t m = 1; m < M; ++m) call(dot_int4_pairs<kRows, false, Nibbles::kKept, S>, first, 1, m);
+          call(dot_int4_pairs<kRows, Asks::kTile, Nibbles::kUnpackAndKeep, S>, first, 1, 0);
+          for (int64_t m = 1; m < M; ++m) call(dot_int4_pairs<kRows, Asks::kNone, Nibbles::kKept, S>, first, 1, m);
         };
         for (; n + kRowTile <= end; n += kRowTile) rows_of_x(vllm_cpu_bits::RowTile<kRowTile>{}, n);
         for (; n < end; ++n) rows_of_x(vllm_cpu_bits::RowTile<1>{}, n);

@@ -25,7 +25,7 @@ from vllm.platforms import onednn_packs, use_onednn_linear
 
 CPU = torch.device("cpu")
 # K: under one vector (5), not a multiple of 8 (77), over one chunk of 1024 with a tail (1030).
-SHAPES = [(37, 5), (37, 77), (13, 1030)]
+SHAPES = [(37, 5), (37, 77), (13, 1030), (13, 2050)]  # 2050: bf16 rows long enough to be asked ahead
 
 
 def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, seed: int):

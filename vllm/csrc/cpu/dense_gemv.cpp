@@ -251,8 +251,9 @@ void rows(const W* w, const float* x, const float* bias, O* out, int64_t M, int6
   // thread, cold, one row of x: 2048 x 8192 read at 18-20 -> 27 GB/s, 3072 x 2048 the same or a
   // few % faster, shorter rows unchanged (so not asked); Granite-3.3-2B bf16 decode step 224 ->
   // 204 ms in the engine. fp32 rows measured 5-25% slower with the asks at every length.
-  if (std::is_same_v<W, uint16_t> && K * static_cast<int64_t>(sizeof(W)) >= kAskMinRowBytes)
-    n = strided_tiles<Ymm, W, O, kYmmTile, true>(w, x, bias, out, M, N, K, n, n_end, scratch.ymm.data());
+  constexpr bool kAsk = std::is_same_v<W, uint16_t>;  // fp32 instantiates no asking variant
+  if (kAsk && K * static_cast<int64_t>(sizeof(W)) >= kAskMinRowBytes)
+    n = strided_tiles<Ymm, W, O, kYmmTile, kAsk>(w, x, bias, out, M, N, K, n, n_end, scratch.ymm.data());
   else
     n = strided_tiles<Ymm, W, O, kYmmTile>(w, x, bias, out, M, N, K, n, n_end, scratch.ymm.data());
   for (; n < n_end; ++n) tile<Ymm, W, O, 1>(w, x, bias, out, M, N, K, n, 1, scratch.ymm.data());

@@ -20,7 +20,7 @@ from tests.model_executor.configs import model_config_for
 from tests.model_executor.paged import PagedRunner
 from tests.utils.adapters import load_peft_model, make_adapter
 from tests.utils.checkpoints import TINY_SHAPE, load_hf_model
-from tests.utils.reference import hf_greedy
+from tests.utils.reference import hf_greedy, hf_incremental_logits
 from tests.utils.tokenizer import save_tokenizer
 from vllm import LLM
 from vllm.lora.request import LoRARequest
@@ -89,18 +89,12 @@ def test_matches_transformers_across_the_original_context(variant, phi3_dirs):
     for prompt_len in (7, 29, ORIGINAL, 45):
         ids = torch.randint(0, model_config.vocab_size, (prompt_len + MAX_NEW,), generator=gen)
         hf_prefill = min(prompt_len, ORIGINAL)
-        with torch.inference_mode():
-            out = hf(ids[None, :hf_prefill], use_cache=True)
-            ref, past = [out.logits[0]], out.past_key_values
-            for p in range(hf_prefill, len(ids)):
-                out = hf(ids[None, p : p + 1], past_key_values=past, use_cache=True)
-                ref.append(out.logits[0])
-                past = out.past_key_values
+        ref = hf_incremental_logits(hf, ids, hf_prefill)
         runner = PagedRunner(model, model_config.num_layers, model_config.num_kv_heads, model_config.head_size)
         split = prompt_len // 2 + 1
         logits = [runner.step([("s", ids[:split])])["s"], runner.step([("s", ids[split:prompt_len])])["s"]]
         logits += [runner.step([("s", ids[p : p + 1])])["s"] for p in range(prompt_len, len(ids))]
-        torch.testing.assert_close(torch.cat(logits), torch.cat(ref), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.cat(logits), ref, atol=1e-4, rtol=0)
 
 
 def test_peft_lora_and_alora_on_fused_modules_match_peft(phi3_dirs, tmp_path, tokenizer):

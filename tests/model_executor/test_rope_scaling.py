@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from tests.model_executor.configs import model_config_for
 from tests.model_executor.paged import PagedRunner
 from tests.utils.checkpoints import TINY_SHAPE
+from tests.utils.reference import hf_incremental_logits
 from vllm.model_executor.layers.rotary import (
     RotaryEmbedding,
     attention_factor_of,
@@ -145,15 +146,7 @@ def test_llama_matches_transformers(rope_type, tokens, tmp_path):
     prompt_len = PROMPT.get(rope_type, 40)
     total = prompt_len + 8
     ids = tokens[:total]
-    with torch.inference_mode():
-        # transformers as it generates: the prompt in one pass, then one token at a time.
-        out = hf(ids[None, :prompt_len], use_cache=True)
-        ref, past = [out.logits[0]], out.past_key_values
-        for p in range(prompt_len, total):
-            out = hf(ids[None, p : p + 1], past_key_values=past, use_cache=True)
-            ref.append(out.logits[0])
-            past = out.past_key_values
-    ref = torch.cat(ref)  # [total, vocab]
+    ref = hf_incremental_logits(hf, ids, prompt_len)  # [total, vocab]
 
     model_config = model_config_for(str(tmp_path), max_model_len=MAX_POS)
     model = get_model(model_config, torch.device("cpu"))

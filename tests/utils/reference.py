@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -70,3 +71,20 @@ def hf_prompt_logprobs(model, prompt_ids: list[int]) -> list[float]:
     logits = model(torch.tensor([prompt_ids])).logits[0].float()
     logprobs = torch.log_softmax(logits, -1)
     return [logprobs[i, prompt_ids[i + 1]].item() for i in range(len(prompt_ids) - 1)]
+
+
+@torch.no_grad()
+def hf_incremental_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits as transformers generates: ids[:prefill] in one pass, then each later token alone
+    over the KV cache the passes before it left. [len(ids), vocab]: the first pass's rows, then
+    one row a step.
+
+    transformers 5.24 renamed forward's `past_key_values` to `cache` (the output's field too);
+    the old name is deprecated, so the name the installed version takes is used."""
+    cache_arg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    out = model(ids[None, :prefill], use_cache=True)
+    logits = [out.logits[0]]
+    for p in range(prefill, len(ids)):
+        out = model(ids[None, p : p + 1], use_cache=True, **{cache_arg: out[cache_arg]})
+        logits.append(out.logits[0])
+    return torch.cat(logits)

@@ -165,6 +165,30 @@ def test_int4_kernel_reads_scales_as_stored(dtype, k, rows):
 
 
 @pytest.mark.parametrize("method", q.METHODS)
+@pytest.mark.parametrize(("rows", "k"), [(1, 576), (5, 576), (1, 4128), (3, 96)])  # 96 int4: 3 blocks, per block
+def test_kernel_takes_bf16_activations_and_output_as_the_conversions_would(method, rows, k):
+    """A bf16 x is widened and a bf16 out rounded inside the kernel: bitwise the fp32 call on
+    x.float() rounded to bf16 (what quantized_linear did with conversion ops), which quantized_linear
+    now skips where there is no bias; with a bias it still adds it before rounding."""
+    assert q.native_available()
+    gen = torch.Generator().manual_seed(k + rows)
+    weight = q.quantize(torch.randn(37, k, generator=gen), method)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    op = torch.ops.vllm_quant.linear_int8 if method == "int8" else torch.ops.vllm_quant.linear_int4
+    fp32 = torch.empty(rows, 37)
+    op(fp32, x.float(), weight.qweight, weight.scales, weight.group)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = torch.empty(rows, 37, dtype=out_dtype)
+        op(out, x, weight.qweight, weight.scales, weight.group)
+        assert torch.equal(out, fp32.to(out_dtype))
+    assert torch.equal(q.quantized_linear(x, weight, None), fp32.to(torch.bfloat16))
+    bias = torch.randn(37, generator=gen).to(torch.bfloat16)
+    assert torch.equal(q.quantized_linear(x, weight, bias), (fp32 + bias.float()).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must be contiguous fp32 or bf16"):
+        op(out, x.half(), weight.qweight, weight.scales, weight.group)
+
+
+@pytest.mark.parametrize("method", q.METHODS)
 def test_native_kernel_does_not_depend_on_the_thread_count_or_tiles(method):
     """Bitwise the same on 1 or 2 threads, and whichever weight rows share a row's tile (tiles
     take rows spread over the range for one row of x, and int8's for several: a weight with rows

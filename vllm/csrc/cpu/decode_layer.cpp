@@ -76,8 +76,9 @@ VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
 #undef VLLM_CACHED_OP
 
 // The engine's few-row linear (dense_gemv.py's _gemv / quantization.py's quantized_linear) into
-// `out` [rows, N] in x's dtype: a dense one takes fp32 or bf16 x as it is; a quantized one runs on
-// fp32 x (another x dtype through fp32 copies, as quantized_linear converts).
+// `out` [rows, N] in x's dtype: a dense one takes fp32 or bf16 x as it is; so does a quantized one
+// without a bias (the kernel widens bf16 x and rounds a bf16 out itself); with one, it runs on fp32
+// copies, the bias added before the rounding, as quantized_linear does.
 void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                  const at::Tensor& bias, int64_t kind, int64_t group) {
   const bool has_bias = bias.numel() > 0;
@@ -87,10 +88,15 @@ void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
     gemv_op().call(out, x, weight, b);
     return;
   }
+  const auto& quant_op = kind == 8 ? int8_op() : int4_op();
   const bool fp32 = x.scalar_type() == at::kFloat;
+  if (!has_bias && (fp32 || x.scalar_type() == at::kBFloat16)) {
+    quant_op.call(out, x, weight, scales, group);
+    return;
+  }
   const at::Tensor xf = fp32 ? x : x.to(at::kFloat);
   const at::Tensor of = fp32 ? out : at::empty(out.sizes(), xf.options());
-  (kind == 8 ? int8_op() : int4_op()).call(of, xf, weight, scales, group);
+  quant_op.call(of, xf, weight, scales, group);
   if (has_bias) of.add_(bias.to(at::kFloat));
   if (!fp32) out.copy_(of);
 }

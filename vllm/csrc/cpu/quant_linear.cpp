@@ -15,11 +15,14 @@
  *   activations, per row m and block b of 32 input features (the last block may be shorter):
  *     xs[m, b] = max_k |x[m, k]| / 127,  xq[m, k] = round_half_even(x[m, k] * (1 / xs[m, b]))
  *     (both fp32, 1 / xs taken as 0 for an all-zero block), clamped to [-127, 127]
- *   out[m, n] = sum_k xs[m, k / 32] * ws[n, k] * xq[m, k] * wq[n, k]        out fp32 [M, N]
+ *   out[m, n] = sum_k xs[m, k / 32] * ws[n, k] * xq[m, k] * wq[n, k]   out fp32 or bf16 [M, N]
  *     computed as integer sums over each run of k sharing a block and a weight group, each
- *     scaled once and added in fp32: equal to the formula up to fp32 rounding of those terms.
+ *     scaled once and added in fp32: equal to the formula up to fp32 rounding of those terms; a
+ *     bf16 out holds those fp32 sums rounded to nearest even (torch's cast, bit for bit).
  *
- * Shapes: x fp32 [M, K] contiguous; K a multiple of group. Checked before any work.
+ * Shapes: x fp32 or bf16 [M, K] contiguous (bf16 widened exactly: the fp32 values x.float()
+ * holds); K a multiple of group. Checked before any work. A bf16 model's decode passes its
+ * activations and output buffers as they are: no conversion ops around each call.
  *
  * Vector path (AVX2 + FMA + F16C, the compiler targeting them through -march=native): a block of
  * 32 weights meets 32 int8 activations in _mm256_maddubs_epi16 + _mm256_madd_epi16 (unsigned x
@@ -56,6 +59,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -455,7 +459,8 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
 
 void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   int64_t group, int64_t k_per_row_byte) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
+              "x must be contiguous fp32 or bf16 [M, K]");
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be contiguous 2-D");
   const int64_t K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(qweight.size(1) * k_per_row_byte == K, "qweight holds ", qweight.size(1) * k_per_row_byte,
@@ -465,9 +470,9 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   TORCH_CHECK((scale_type == at::kFloat || scale_type == at::kBFloat16 || scale_type == at::kHalf) &&
                   scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group,
               "scales must be contiguous fp32, bf16 or fp16 [N, K / group]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) == N,
-              "out must be contiguous fp32 [M, N]");
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
+                  out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == N,
+              "out must be contiguous fp32 or bf16 [M, N]");
 }
 
 template <bool kInt4>
@@ -477,8 +482,16 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const int64_t row_bytes = qweight.size(1), nblocks = (K + kBlock - 1) / kBlock;
   std::vector<int8_t> xq(M * K);        // [M, K]
   std::vector<float> xs(M * nblocks);   // [M, ceil(K / 32)]
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, xq.data() + m * K, xs.data() + m * nblocks);
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+  std::vector<float> widened(bf16_x ? K : 0);  // one row of a bf16 x at a time
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = bf16_x ? widened.data() : x.data_ptr<float>() + m * K;
+    if (bf16_x) {
+      const uint16_t* bits = static_cast<const uint16_t*>(x.data_ptr()) + m * K;
+      for (int64_t k = 0; k < K; ++k) widened[k] = vllm_cpu_bits::widen(bits[k]);
+    }
+    quantize_row(xr, K, xq.data() + m * K, xs.data() + m * nblocks);
+  }
 #ifdef VLLM_QUANT_AVX2
   // int4 in groups of 32 (this file's own quantization, GGUF Q4_0) over an even number of blocks:
   // the paired path, x laid out once per call.
@@ -508,7 +521,10 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const int64_t k_vector = 0;
 #endif
   const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
-  float* op = out.data_ptr<float>();
+  // The fp32 sums; a bf16 out gets them rounded once a task's range is done.
+  const bool bf16_out = out.scalar_type() == at::kBFloat16;
+  std::unique_ptr<float[]> sums(bf16_out ? new float[M * N] : nullptr);
+  float* op = bf16_out ? sums.get() : out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
 #ifdef VLLM_QUANT_AVX2
@@ -585,6 +601,11 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         for (int64_t m = 0; m < M; ++m)
           op[m * N + n] += dot_scalar<kInt4>(qp + n * row_bytes, sp + n * G, xq.data() + m * K,
                                              xs.data() + m * nblocks, k_vector, K, group);
+    }
+    if (bf16_out) {
+      uint16_t* ob = static_cast<uint16_t*>(out.data_ptr());
+      for (int64_t m = 0; m < M; ++m)
+        for (n = begin; n < end; ++n) ob[m * N + n] = vllm_cpu_bits::narrow<uint16_t>(op[m * N + n]);
     }
   });
 }

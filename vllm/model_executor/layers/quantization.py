@@ -149,16 +149,32 @@ def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return (round_activations(x, torch.float64) @ weight.dequantize().double().T).float()
 
 
+KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out dtypes the kernel takes as they are
+
+
+def _runs_native(x: torch.Tensor) -> bool:
+    return x.is_cpu and x.shape[0] <= NATIVE_MAX_ROWS and native_available()
+
+
+def _native_op(weight: QuantizedWeight):
+    return torch.ops.vllm_quant.linear_int8 if weight.method == "int8" else torch.ops.vllm_quant.linear_int4
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x: [M, K] in the model dtype -> [M, N] in the model dtype."""
     # Each conversion only when it changes something: this runs on every decode linear.
+    if bias is None and weight.offsets is None and x.dtype in KERNEL_IO_DTYPES and _runs_native(x):
+        # The kernel reads a bf16 x and writes a bf16 out itself (the values and roundings the
+        # conversions below would give), sparing a bf16 model two conversion ops a call.
+        out = torch.empty(x.shape[0], weight.qweight.shape[0], dtype=x.dtype)
+        _native_op(weight)(out, x if x.is_contiguous() else x.contiguous(), weight.qweight, weight.scales, weight.group)
+        return out
     xf = x if x.dtype == torch.float32 else x.float()
     if not xf.is_contiguous():
         xf = xf.contiguous()
-    if xf.is_cpu and xf.shape[0] <= NATIVE_MAX_ROWS and native_available():
+    if _runs_native(xf):
         out = torch.empty(xf.shape[0], weight.qweight.shape[0], dtype=torch.float32)
-        op = torch.ops.vllm_quant.linear_int8 if weight.method == "int8" else torch.ops.vllm_quant.linear_int4
-        op(out, xf, weight.qweight, weight.scales, weight.group)  # rounds the activations itself
+        _native_op(weight)(out, xf, weight.qweight, weight.scales, weight.group)  # rounds the activations itself
         if weight.offsets is not None:  # the kernel computes x' @ (s*q).T; add the offsets' share exactly
             out.addmm_(group_sums(_rounded(xf), weight.group), weight.offsets.T)
     else:

@@ -121,6 +121,24 @@ def test_a_layer_takes_no_more_rows_than_its_linears(llama_dir, tokenizer, monke
         del llm
 
 
+def test_bf16_rows_past_the_gemv_run_the_dot_kernel_natively(llama_dir, tokenizer, monkeypatch):
+    """Where the CPU has AVX512-BF16, bf16 steps of more rows than the GEMV takes
+    (dense_gemv.layer_rows) stay native and run the vdpbf16ps kernel for the layers' linears, as
+    the Python layers do: bit for bit."""
+    if not dense_gemv.bf16_dot_available():
+        pytest.skip("the vdpbf16ps kernel needs AVX512-BF16")
+    calls = _count_calls(monkeypatch)
+    llm = LLM(llama_dir, max_model_len=128, dtype="bfloat16")
+    assert dense_gemv.native_max_rows(torch.bfloat16) < 3  # the three-row steps are past the GEMV
+    with torch.profiler.profile() as prof:
+        native = _run(llm, tokenizer)
+    dot_calls = sum(e.count for e in prof.key_averages() if e.key == "vllm_bf16_dot::bf16_dot_linear")
+    layers = len(_layers(llm))
+    assert calls.count(3) > 0 and dot_calls >= 4 * layers * calls.count(3)  # four linears a layer
+    native_again, python = _both_paths(llm, tokenizer)
+    assert native == native_again == python
+
+
 @pytest.mark.parametrize("arch", ["gemma", "qwen3"])  # Gemma's norm and GeGLU; Qwen3's q/k norms
 def test_layers_outside_the_plain_form_stay_python(arch, checkpoints, tokenizer, monkeypatch):
     calls = _count_calls(monkeypatch)

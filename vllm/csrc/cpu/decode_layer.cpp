@@ -21,13 +21,14 @@
  *   gate, up = split(linear(h2, gate_up));  out = linear(silu(gate) * up, down) * m
  *   with m the residual multiplier (Granite's; the product is skipped where m = 1, as in Python)
  *   returns (out, o): the next layer's hidden state and residual.
- *   linear(x, W) is the engine's few-row linear: dense (the GEMV on x in the model dtype, fp32 sums)
+ *   linear(x, W) is the engine's few-row linear: dense (the GEMV on x in the model dtype, fp32 sums;
+ *   past a few bf16 rows the vdpbf16ps kernel where the CPU has it, as dense_gemv.py dispatches)
  *   or int8 / int4 (quantization.py's quantized_linear without GGUF offsets), bias included.
  *
  * A layer's arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o,
  * gate_up, down) its weight (dense) or qweight, its scales (quantized; empty otherwise), its bias
  * (or empty)]; ints = [H, Hkv, D, sliding_window, then per linear its kind (0 dense, 8 int8, 4
- * int4) and group]; floats = [input eps, post eps, attention scale, residual multiplier]. A
+ * int4) and group (dense: the rows above which the vdpbf16ps kernel runs, 0 for never)]; floats = [input eps, post eps, attention scale, residual multiplier]. A
  * DecodeStack holds them concatenated, layer after layer. The kernels check their own inputs.
  */
 
@@ -67,6 +68,7 @@ using AttentionOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, cons
     return op;                                                   \
   }
 VLLM_CACHED_OP(gemv_op, LinearOp, "vllm_dense::dense_gemv")
+VLLM_CACHED_OP(bf16_dot_op, LinearOp, "vllm_bf16_dot::bf16_dot_linear")
 VLLM_CACHED_OP(int8_op, QuantOp, "vllm_quant::linear_int8")
 VLLM_CACHED_OP(int4_op, QuantOp, "vllm_quant::linear_int4")
 VLLM_CACHED_OP(add_norm_op, NormOp, "vllm_norm::fused_add_rms_norm")
@@ -75,13 +77,20 @@ VLLM_CACHED_OP(store_op, StoreOp, "vllm_rotary_kv::store_kv")
 VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
 #undef VLLM_CACHED_OP
 
-// The engine's few-row linear (dense_gemv.py's _gemv / quantization.py's quantized_linear) into
-// `out` [rows, N] in x's dtype: a dense one takes fp32 or bf16 x as it is; so does a quantized one
+// The engine's few-row linear (dense_gemv.py's dense_linear / quantization.py's quantized_linear)
+// into `out` [rows, N] in x's dtype: a dense one takes fp32 or bf16 x as it is (more than `group`
+// bf16 rows, where group > 0: the vdpbf16ps kernel, else the GEMV); so does a quantized one
 // without a bias (the kernel widens bf16 x and rounds a bf16 out itself); with one, it runs on fp32
 // copies, the bias added before the rounding, as quantized_linear does.
 void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                  const at::Tensor& bias, int64_t kind, int64_t group) {
   const bool has_bias = bias.numel() > 0;
+  if (kind == 0 && group > 0 && x.size(0) > group && x.scalar_type() == at::kBFloat16) {
+    OptTensor b;  // bf16_dot_linear as dense_gemv.py calls it: a bf16 bias
+    if (has_bias) b = bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() ? bias : bias.to(at::kBFloat16).contiguous();
+    bf16_dot_op().call(out, x, weight, b);
+    return;
+  }
   if (kind == 0) {
     OptTensor b;
     if (has_bias) b = bias.scalar_type() == at::kFloat && bias.is_contiguous() ? bias : bias.to(at::kFloat).contiguous();

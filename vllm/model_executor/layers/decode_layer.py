@@ -15,8 +15,9 @@ per step for its whole run):
     tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
     GGUF offsets;
   - its `native_decode_allowed` (True unless a test or benchmark turns the native path off);
-  - per step: no more rows than each of its linears takes natively (dense_gemv.native_max_rows,
-    quantization.NATIVE_MAX_ROWS) in the layer's dtype, no padding rows, and no adapter in the
+  - per step: no more rows than each of its linears takes natively (dense_gemv.layer_rows: the
+    GEMV's rows, and bf16 rows up to 16 where the vdpbf16ps kernel runs; quantization.NATIVE_MAX_ROWS)
+    in the layer's dtype, no padding rows, and no adapter in the
     step (`punica.meta.has_lora` false: a wrapper then adds nothing to its base layer's product,
     so an engine with --enable-lora decodes base-only steps natively and every step with an
     adapter row, aLoRA's included, in Python). The first layer takes a zero residual.
@@ -55,7 +56,8 @@ def native_available() -> bool:
 
 def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
     """([weight or qweight, scales, bias], [kind, group], rows it runs natively) for the kernel, or
-    None if it does not qualify."""
+    None if it does not qualify. A dense weight's second int is not a group: the rows above which
+    the layer runs the vdpbf16ps kernel instead of the GEMV (0: never), as dense_linear does."""
     if type(linear) is LinearWithLoRA:  # its base layer's product, on steps without adapters
         linear = linear.base_layer
     if type(linear) is not Linear or linear.shard is not None or linear._packed is not None:
@@ -65,7 +67,8 @@ def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
         weight = linear.weight
         if weight.dtype not in dense_gemv.WEIGHT_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
             return None
-        return [weight, _EMPTY, bias], [0, 0], dense_gemv.native_max_rows(weight.dtype)
+        rows, dot_above = dense_gemv.layer_rows(weight)
+        return [weight, _EMPTY, bias], [0, dot_above], rows
     if len(linear._quantized) != 1 or linear._quantized[0].offsets is not None or not quantization.native_available():
         return None
     q = linear._quantized[0]

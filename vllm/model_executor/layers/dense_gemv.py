@@ -53,8 +53,9 @@ NATIVE_MAX_ROWS = 16
 # and the GEMV's 17.2 / 20.4 / 33.1; even with oneDNN at 32 (30 ms each). (The host's memory
 # bandwidth swings with its neighbours: in later runs with the kernel's prefetch 8 / 16 rows took
 # 12.4-13.7 / 17.3-19.4 ms where the kernel without it took 20-23 / 23-24.) From 3 rows it also
-# beats the GEMV, 9.6 ms against 11.3, but up to native_max_rows the GEMV's rows run the native
-# decoder layers, which save more Python than that.
+# beats the GEMV (9.6 ms against 11.3; with its asks into L2, on a Zen 4 EPYC, 14-17 GB/s against
+# the GEMV's 9-15 at 4 rows, even at 2-3), so native_max_rows leaves it every bf16 row past 2, and
+# the native decoder layers run it too (`layer_rows`).
 BF16_DOT_MAX_ROWS = 32
 WIDEN_TILE_ROWS = 1024  # output rows of a bf16 weight widened to fp32 at once (many-row path)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -71,9 +72,10 @@ def native_max_rows(dtype: torch.dtype) -> int:
     """Rows of x up to which a `dtype` weight runs the kernel. Measured one thread on an AVX-512
     EPYC with native bf16, a SmolLM2 step's linears against `many_rows_linear` (oneDNN on the
     plain weight): fp32 1.46x / 1.18x faster at 4 / 8 rows, 0.88x / 0.86x at 12 / 16; bf16 1.17x
-    faster at 4 rows, 0.86x at 8, 0.62x at 16. NATIVE_MAX_ROWS elsewhere (AVX2: the header)."""
+    faster at 4 rows, 0.86x at 8, 0.62x at 16, and past 2 rows the vdpbf16ps kernel is faster
+    still (BF16_DOT_MAX_ROWS). NATIVE_MAX_ROWS elsewhere (AVX2: the header)."""
     if dtype == torch.bfloat16 and not bf16_matmul_emulated():
-        return 4
+        return 2
     if dtype == torch.float32 and onednn_fp32_preferred():
         return 8
     return NATIVE_MAX_ROWS
@@ -94,6 +96,15 @@ def bf16_dot_available() -> bool:
     from vllm.platforms import cpu_has_avx512_bf16
 
     return cpu_has_avx512_bf16() and native_build.unavailable_reason(_BF16_DOT_SOURCE, _BF16_DOT_WHAT) is None
+
+
+def layer_rows(weight: torch.Tensor) -> tuple[int, int]:
+    """(rows up to which a native decoder layer runs this dense weight's linear, rows above which
+    it runs the vdpbf16ps kernel rather than the GEMV: 0 for never), as dense_linear dispatches."""
+    if weight.dtype == torch.bfloat16 and bf16_dot_available():
+        gemv_rows = native_max_rows(weight.dtype)
+        return max(gemv_rows, min(BF16_DOT_MAX_ROWS, NATIVE_MAX_ROWS)), gemv_rows
+    return native_max_rows(weight.dtype), 0
 
 
 def uses_bf16_dot(x: torch.Tensor, weight: torch.Tensor) -> bool:

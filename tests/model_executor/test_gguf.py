@@ -188,6 +188,46 @@ def test_engine_on_a_gguf_file_matches_transformers(kind, gguf_files):
             check_against_reference(generate_one(llm, ids), hf_greedy(hf, ids, MAX_NEW))
 
 
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K_M", "qwen2-Q8_0"])
+def test_slices_of_one_format_are_stacked_and_decode_natively(kind, gguf_files):
+    """A file stores q/k/v and gate/up apart; slices of one format become one weight (one kernel
+    call, the same values as the slices side by side, bit for bit) and a decoder layer of such
+    linears runs as one native call. Q4_K_M's layer 0 mixes Q6_K into q/k/v: kept per slice."""
+    model = engine_model(LLM(gguf_files[kind], max_model_len=128, dtype="float32"))
+    gen = torch.Generator().manual_seed(1)
+    for name, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, Linear)):
+        stored = layer.quantized_weights()
+        mixed = kind == "Q4_K_M" and name == "model.layers.0.self_attn.qkv_proj"
+        assert len(stored) == (3 if mixed else 1), name
+        if mixed or len(layer.output_sizes) == 1:
+            continue
+        (w,) = stored
+        x = torch.randn(3, layer.input_size, generator=gen)
+        rows = [slice(start, start + size) for start, size in zip(layer._offsets, layer.output_sizes)]
+        slices = [q.QuantizedWeight(w.method, w.qweight[r], w.scales[r], w.group, w.in_features,
+                                    None if w.offsets is None else w.offsets[r]) for r in rows]
+        expected = torch.cat([q.quantized_linear(x, s, None) for s in slices], dim=1)
+        if layer.bias is not None:
+            expected += layer.bias
+        assert torch.equal(layer(x), expected), name
+    natives = [layer._native_decode_layer() is not None for layer in model.model.layers]
+    # Q4_K's offsets keep a layer on the Python path (the kernels never see them).
+    assert natives == [kind in ("Q8_0", "Q4_0", "qwen2-Q8_0")] * len(natives)
+
+
+def test_stacking_refuses_slices_that_differ():
+    a = q.quantize(torch.randn(8, 64), "int4")
+    assert q.stack_rows([a, q.quantize(torch.randn(4, 64), "int8")]) is None
+    assert q.stack_rows([a, q.quantize(torch.randn(4, 96), "int4")]) is None
+    fp16 = q.QuantizedWeight("int4", a.qweight, a.scales.half(), a.group, a.in_features)
+    assert q.stack_rows([a, fp16]) is None
+    with_offsets = q.QuantizedWeight("int4", a.qweight, a.scales, a.group, a.in_features, torch.zeros(8, 2))
+    assert q.stack_rows([a, with_offsets]) is None
+    stacked = q.stack_rows([a, a])
+    assert stacked.out_features == 16 and torch.equal(stacked.dequantize(), torch.cat([a.dequantize()] * 2))
+
+
 def test_lora_and_alora_on_a_quantized_gguf_match_peft(gguf_files, hf_dirs, tokenizer, tmp_path):
     path = gguf_files["Q4_K_M"]
     invocation = tokenizer.encode(INVOCATION, add_special_tokens=False)

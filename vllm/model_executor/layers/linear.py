@@ -21,9 +21,11 @@ Invariants:
   only in oneDNN's blocked layout; after `quantize` (`--quantization`) only in its
   quantized form (layers/quantization.py). Either way `weight` keeps its dtype and
   device but no data.
-- A GGUF checkpoint hands `weight_loader` `QuantizedWeight`s: one per output slice (a fused
-  layer's slices may differ in format, e.g. Q4_K and Q6_K), kept as they are; the forward
-  concatenates the slices' outputs. `quantize` makes a single one covering every row.
+- A GGUF checkpoint hands `weight_loader` `QuantizedWeight`s, one per output slice. Once
+  all are in, slices of one format are stacked into a single weight (one kernel call, and the
+  native decoder layer takes it); slices of different formats (e.g. Q4_K and Q6_K in a Q4_K_M
+  file) are kept apart and the forward concatenates their outputs. `quantize` makes a single
+  one covering every row.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch import nn
 
 from vllm.distributed.parallel_state import all_reduce
 from vllm.model_executor.layers.dense_gemv import dense_linear, onednn_linear
-from vllm.model_executor.layers.quantization import QuantizedWeight, quantize, quantized_linear
+from vllm.model_executor.layers.quantization import QuantizedWeight, quantize, quantized_linear, stack_rows
 from vllm.model_executor.layers.tensor_parallel import Shard
 
 
@@ -95,7 +97,7 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._packed: Optional[torch.Tensor] = None
-        # Empty: dense. Else one covering all rows (`quantize`) or one per output slice (GGUF).
+        # Empty: dense. Else one covering all rows, or one per output slice (GGUF slices of mixed formats).
         self._quantized: list[Optional[QuantizedWeight]] = []
 
     @property
@@ -186,6 +188,9 @@ class Linear(nn.Module):
                              f"{(weight.out_features, weight.in_features)}")
         self._quantized[shard_id or 0] = weight
         if all(q is not None for q in self._quantized):
+            stacked = stack_rows(self._quantized)
+            if stacked is not None:
+                self._quantized = [stacked]
             self.weight.data = self.weight.data.new_empty(0)
 
     def _rank_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int]) -> torch.Tensor:

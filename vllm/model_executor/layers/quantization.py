@@ -90,6 +90,21 @@ class QuantizedWeight:
         return q.float() * scales + self.offsets[rows].repeat_interleave(self.group, dim=1)
 
 
+def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
+    """The weights' rows one after another, as one weight (a fused layer's slices stored apart, as
+    GGUF files store q/k/v and gate/up), or None where they differ in method, group, input size,
+    scale dtype or in having offsets. Each output row is computed from its own row alone, so the
+    stacked weight's product equals the slices' products side by side, bit for bit, in one call."""
+    first = weights[0]
+    if any((w.method, w.group, w.in_features, w.scales.dtype, w.offsets is None)
+           != (first.method, first.group, first.in_features, first.scales.dtype, first.offsets is None)
+           for w in weights):
+        return None
+    offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights])
+    return QuantizedWeight(first.method, torch.cat([w.qweight for w in weights]),
+                           torch.cat([w.scales for w in weights]), first.group, first.in_features, offsets)
+
+
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     """weight: [N, K] floating. Round to nearest, symmetric, as the module docstring states."""
     if method not in METHODS:

@@ -39,6 +39,7 @@ from vllm.lora.request import LoRARequest
 from vllm.model_executor import gguf_loader
 from vllm.model_executor.layers import quantization as q
 from vllm.model_executor.layers.linear import Linear
+from vllm.platforms import checkpoint_dtype, current_platform
 
 MEAN_TOL = 0.15  # mean |logprob difference| over SEQUENCE for quantized files (see module docstring)
 # K-quants need input sizes that are multiples of 256.
@@ -214,6 +215,20 @@ def test_slices_of_one_format_are_stacked_and_decode_natively(kind, gguf_files):
     natives = [layer._native_decode_layer() is not None for layer in model.model.layers]
     # Q4_K's offsets keep a layer on the Python path (the kernels never see them).
     assert natives == [kind in ("Q8_0", "Q4_0", "qwen2-Q8_0")] * len(natives)
+
+
+
+@pytest.mark.parametrize("qtype, stored", [(T.BF16, torch.bfloat16), (T.F16, torch.float16), (T.F32, None),
+                                           (T.Q8_0, None)])
+def test_auto_dtype_takes_a_16_bit_file_as_a_16_bit_checkpoint(qtype, stored, hf_dirs, tmp_path):
+    """dtype="auto" reads a BF16 / F16 file as it reads a bf16 / fp16 checkpoint (on a CPU: bf16 where it
+    has native bf16); F32 and quantized files run in fp32, the precision llama.cpp computes in."""
+    path = write_gguf(hf_dirs["llama"], str(tmp_path / f"{qtype.name}.gguf"), lambda name, w: qtype)
+    assert checkpoint_dtype(gguf_loader.load_gguf_config(path)) == stored
+    llm = LLM(path, max_model_len=64)
+    expected = current_platform("cpu").auto_dtype(stored)
+    assert llm.llm_engine.model_config.dtype == expected
+    assert all(p.dtype == expected for p in engine_model(llm).parameters() if p.dim() == 1)  # the norms
 
 
 def test_stacking_refuses_slices_that_differ():

@@ -1,7 +1,8 @@
 """GGUF checkpoints (llama.cpp's single-file format) as `model`: `LLM(model="/path/model.gguf")`.
 
 Owns: recognising a GGUF model path (`gguf_model_path`), the model's HF config read from the
-file's metadata (`load_gguf_config`, through transformers), and the stream of its tensors under
+file's metadata (`load_gguf_config`, through transformers; its dtype bf16 / fp16 when every layer
+weight is BF16 / F16, so that dtype="auto" treats the file as such a checkpoint), and the stream of its tensors under
 HF names (`iterate_gguf_weights`) in which quantized tensors stay packed: each becomes a
 `QuantizedWeight` (layers/quantization.py) that `Linear` and `LMHead` keep as they are. The
 tokenizer is read from the same metadata by vllm/tokenizer.py.
@@ -86,7 +87,19 @@ def load_gguf_config(path: str) -> Any:
                          "llama (Llama, Mistral), qwen2.")
     config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     config.architectures = [ARCHITECTURES[config.model_type]]
+    config.dtype = _layers_dtype(path)
     return config
+
+
+def _layers_dtype(path: str) -> Optional[torch.dtype]:
+    """bf16 / fp16 when every 2-D layer weight of the file is BF16 / F16, so that dtype="auto" takes
+    the file as it takes a bf16 / fp16 checkpoint (on a CPU: bf16 where it has native bf16); None for
+    F32, quantized or mixed layers (then fp32, the precision llama.cpp computes activations in)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    kinds = {t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    return {frozenset({"BF16"}): torch.bfloat16, frozenset({"F16"}): torch.float16}.get(frozenset(kinds))
 
 
 def _metadata(path: str, key: str) -> Any:

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import INVOCATION
 from tests.lora.conftest import MAX_NEW, check_against_reference, generate_one
+from tests.model_executor.test_decode_layer import _both_paths, _count_calls
 from tests.utils.adapters import ALL_LINEAR, make_adapter
 from tests.utils.checkpoints import load_hf_model, make_checkpoint
 from tests.utils.gguf_files import encode, write_gguf
@@ -194,7 +195,8 @@ def test_engine_on_a_gguf_file_matches_transformers(kind, gguf_files):
 def test_slices_of_one_format_are_stacked_and_decode_natively(kind, gguf_files):
     """A file stores q/k/v and gate/up apart; slices of one format become one weight (one kernel
     call, the same values as the slices side by side, bit for bit) and a decoder layer of such
-    linears runs as one native call. Q4_K_M's layer 0 mixes Q6_K into q/k/v: kept per slice."""
+    linears runs as one native call, Q4_K's included. Q4_K_M's layer 0 mixes Q6_K into q/k/v:
+    kept per slice, run by the Python layer."""
     model = engine_model(LLM(gguf_files[kind], max_model_len=128, dtype="float32"))
     gen = torch.Generator().manual_seed(1)
     for name, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, Linear)):
@@ -213,8 +215,8 @@ def test_slices_of_one_format_are_stacked_and_decode_natively(kind, gguf_files):
             expected += layer.bias
         assert torch.equal(layer(x), expected), name
     natives = [layer._native_decode_layer() is not None for layer in model.model.layers]
-    # Q4_K's offsets keep a layer on the Python path (the kernels never see them).
-    assert natives == [kind in ("Q8_0", "Q4_0", "qwen2-Q8_0")] * len(natives)
+    # Q4_K's offsets go into the int4 kernel too; only Q4_K_M's layer 0 (q/k/v kept apart) runs Python.
+    assert natives == [not (kind == "Q4_K_M" and i == 0) for i in range(len(natives))]
 
 
 
@@ -229,6 +231,16 @@ def test_auto_dtype_takes_a_16_bit_file_as_a_16_bit_checkpoint(qtype, stored, hf
     expected = current_platform("cpu").auto_dtype(stored)
     assert llm.llm_engine.model_config.dtype == expected
     assert all(p.dtype == expected for p in engine_model(llm).parameters() if p.dim() == 1)  # the norms
+
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("Q4_K_M", "float32"), ("Q4_K_M", "bfloat16"), ("Q4_0", "float32")])
+def test_gguf_layers_decode_natively_with_the_python_layers_bits(kind, dtype, gguf_files, tokenizer, monkeypatch):
+    """Q4_K's offsets in the int4 kernel: the native layers give the Python layers' tokens and
+    logprobs bit for bit (both call the same kernel), with batched decode steps."""
+    calls = _count_calls(monkeypatch)
+    native, python = _both_paths(LLM(gguf_files[kind], max_model_len=128, dtype=dtype), tokenizer)
+    assert 3 in calls and native == python
 
 
 def test_stacking_refuses_slices_that_differ():

@@ -149,6 +149,30 @@ def test_native_kernel_on_every_weight_grouping(method, k, group, rows):
     _check_kernel(q.quantized_linear(x, weight, None), x, weight)
 
 
+@pytest.mark.parametrize(("k", "group"), [(576, 32), (512, 64), (96, 32), (6144, 32)])  # paired, grouped, per block
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_kernel_adds_gguf_offsets(k, group, rows, dtype):
+    """GGUF Q4_K's offsets (w = s * q + offset of the group) are added by the kernel itself, on every
+    int4 path and with bf16 activations and output; a malformed offsets tensor is refused."""
+    gen = torch.Generator().manual_seed(k + rows)
+    base = _weight("int4", 37, k, group, gen)
+    offsets = torch.randn(37, k // base.group, generator=gen) / 50
+    weight = q.QuantizedWeight("int4", base.qweight, base.scales, base.group, k, offsets)
+    x = torch.randn(rows, k, generator=gen)
+    if dtype == torch.float32:
+        out = q.quantized_linear(x, weight, None)
+        _check_kernel(out, x, weight)
+        assert (out - q.quantized_linear(x, base, None)).abs().max() > 1e-3  # the offsets count
+    else:
+        out = q.quantized_linear(x.to(dtype), weight, None)
+        fp32 = q.quantized_linear(x.to(dtype).float(), weight, None)
+        assert out.dtype == dtype and torch.equal(out, fp32.to(dtype))
+    with pytest.raises(RuntimeError, match="offsets must be contiguous fp32"):
+        torch.ops.vllm_quant.linear_int4(torch.empty(rows, 37), x, base.qweight, base.scales, base.group,
+                                         offsets[:, :-1])
+
+
 # The paired path reads them as stored (2048: rows long enough that one row of x asks each row's
 # stream ahead); 3 blocks: an fp32 copy.
 @pytest.mark.parametrize("k", [576, 2048, 96])
@@ -232,6 +256,12 @@ def test_portable_build_without_avx2_computes_the_same(tmp_path):
         out = torch.empty(3, 37)
         (ops.linear_int8 if method == "int8" else ops.linear_int4)(out, x, weight.qweight, weight.scales, weight.group)
         _check_kernel(out, x, weight)
+    gen = torch.Generator().manual_seed(7)
+    base = _weight("int4", 37, 576, 32, gen)
+    weight = q.QuantizedWeight("int4", base.qweight, base.scales, 32, 576, torch.randn(37, 18, generator=gen) / 50)
+    x = torch.randn(3, 576, generator=gen)
+    ops.linear_int4(out, x, weight.qweight, weight.scales, 32, weight.offsets)
+    _check_kernel(out, x, weight)
     x = _activations(5, 40, seed=1)
     rounded = torch.empty_like(x)
     ops.round_activations(rounded, x)

@@ -23,13 +23,16 @@
  *   returns (out, o): the next layer's hidden state and residual.
  *   linear(x, W) is the engine's few-row linear: dense (the GEMV on x in the model dtype, fp32 sums;
  *   past a few bf16 rows the vdpbf16ps kernel where the CPU has it, as dense_gemv.py dispatches)
- *   or int8 / int4 (quantization.py's quantized_linear without GGUF offsets), bias included.
+ *   or int8 / int4 (quantization.py's quantized_linear, GGUF Q4_K's offsets included), bias
+ *   included.
  *
  * A layer's arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o,
  * gate_up, down) its weight (dense) or qweight, its scales (quantized; empty otherwise), its bias
- * (or empty)]; ints = [H, Hkv, D, sliding_window, then per linear its kind (0 dense, 8 int8, 4
- * int4) and group (dense: the rows above which the vdpbf16ps kernel runs, 0 for never)]; floats = [input eps, post eps, attention scale, residual multiplier]. A
- * DecodeStack holds them concatenated, layer after layer. The kernels check their own inputs.
+ * (or empty), its offsets (int4 from GGUF Q4_K; empty otherwise)]; ints = [H, Hkv, D,
+ * sliding_window, then per linear its kind (0 dense, 8 int8, 4 int4) and group (dense: the rows
+ * above which the vdpbf16ps kernel runs, 0 for never)]; floats = [input eps, post eps, attention
+ * scale, residual multiplier]. A DecodeStack holds them concatenated, layer after layer. The
+ * kernels check their own inputs.
  */
 
 #include <ATen/ATen.h>
@@ -54,7 +57,9 @@ c10::TypedOperatorHandle<Sig> find_op(const char* name) {
 // The ops of the other kernel files, each looked up on its first use (decode_layer.py builds a
 // layer only once the kernels it calls are loaded; a dense model never loads the quantized one).
 using LinearOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&);
-using QuantOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using Int8Op = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using Int4Op = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                    const OptTensor&);
 using NormOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using RotaryOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&);
@@ -69,8 +74,8 @@ using AttentionOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, cons
   }
 VLLM_CACHED_OP(gemv_op, LinearOp, "vllm_dense::dense_gemv")
 VLLM_CACHED_OP(bf16_dot_op, LinearOp, "vllm_bf16_dot::bf16_dot_linear")
-VLLM_CACHED_OP(int8_op, QuantOp, "vllm_quant::linear_int8")
-VLLM_CACHED_OP(int4_op, QuantOp, "vllm_quant::linear_int4")
+VLLM_CACHED_OP(int8_op, Int8Op, "vllm_quant::linear_int8")
+VLLM_CACHED_OP(int4_op, Int4Op, "vllm_quant::linear_int4")
 VLLM_CACHED_OP(add_norm_op, NormOp, "vllm_norm::fused_add_rms_norm")
 VLLM_CACHED_OP(rotary_op, RotaryOp, "vllm_rotary_kv::rotary")
 VLLM_CACHED_OP(store_op, StoreOp, "vllm_rotary_kv::store_kv")
@@ -83,7 +88,7 @@ VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
 // without a bias (the kernel widens bf16 x and rounds a bf16 out itself); with one, it runs on fp32
 // copies, the bias added before the rounding, as quantized_linear does.
 void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                 const at::Tensor& bias, int64_t kind, int64_t group) {
+                 const at::Tensor& bias, const at::Tensor& offsets, int64_t kind, int64_t group) {
   const bool has_bias = bias.numel() > 0;
   if (kind == 0 && group > 0 && x.size(0) > group && x.scalar_type() == at::kBFloat16) {
     OptTensor b;  // bf16_dot_linear as dense_gemv.py calls it: a bf16 bias
@@ -97,20 +102,26 @@ void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
     gemv_op().call(out, x, weight, b);
     return;
   }
-  const auto& quant_op = kind == 8 ? int8_op() : int4_op();
+  const OptTensor offs = offsets.numel() > 0 ? OptTensor(offsets) : std::nullopt;
+  const auto quant = [&](const at::Tensor& o, const at::Tensor& in) {
+    if (kind == 8)
+      int8_op().call(o, in, weight, scales, group);
+    else
+      int4_op().call(o, in, weight, scales, group, offs);
+  };
   const bool fp32 = x.scalar_type() == at::kFloat;
   if (!has_bias && (fp32 || x.scalar_type() == at::kBFloat16)) {
-    quant_op.call(out, x, weight, scales, group);
+    quant(out, x);
     return;
   }
   const at::Tensor xf = fp32 ? x : x.to(at::kFloat);
   const at::Tensor of = fp32 ? out : at::empty(out.sizes(), xf.options());
-  quant_op.call(of, xf, weight, scales, group);
+  quant(of, xf);
   if (has_bias) of.add_(bias.to(at::kFloat));
   if (!fp32) out.copy_(of);
 }
 
-constexpr size_t kWeights = 16, kInts = 12, kFloats = 4;  // one layer's arguments
+constexpr size_t kWeights = 20, kInts = 12, kFloats = 4;  // one layer's arguments
 
 // What every layer of a step shares: the positions as int64 and the metadata, contiguous.
 struct Step {
@@ -153,7 +164,7 @@ struct Workspace {
 // Layer l's Workspace: the previous layer's where the shapes match, else a new one.
 Workspace& workspace_for(std::optional<Workspace>& ws, const at::Tensor& hidden, at::TensorList weights,
                          at::IntArrayRef ints) {
-  const auto rows = [&](int i) { return weights[4 + 3 * i].size(0); };  // output features of linear i
+  const auto rows = [&](int i) { return weights[4 + 4 * i].size(0); };  // output features of linear i
   const std::vector<int64_t> key{hidden.size(0), ints[0], ints[1], ints[2], rows(0), rows(1), rows(2), rows(3)};
   if (!ws || ws->key != key || ws->h.scalar_type() != hidden.scalar_type())
     ws.emplace(hidden, ints[0], ints[1], ints[2], rows(0), rows(1), rows(2), rows(3));
@@ -165,7 +176,8 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& residual, const at
                   at::TensorList weights, at::IntArrayRef ints, at::ArrayRef<double> floats, Workspace& w) {
   const int64_t window = ints[3], n = hidden.size(0);
   const auto lin = [&](const at::Tensor& out, const at::Tensor& x, int i) {
-    linear_into(out, x, weights[4 + 3 * i], weights[5 + 3 * i], weights[6 + 3 * i], ints[4 + 2 * i], ints[5 + 2 * i]);
+    linear_into(out, x, weights[4 + 4 * i], weights[5 + 4 * i], weights[6 + 4 * i], weights[7 + 4 * i], ints[4 + 2 * i],
+                ints[5 + 2 * i]);
   };
 
   add_norm_op().call(w.h, hidden, residual, weights[0], floats[0]);  // hidden <- hidden + residual

@@ -16,9 +16,12 @@
  *     xs[m, b] = max_k |x[m, k]| / 127,  xq[m, k] = round_half_even(x[m, k] * (1 / xs[m, b]))
  *     (both fp32, 1 / xs taken as 0 for an all-zero block), clamped to [-127, 127]
  *   out[m, n] = sum_k xs[m, k / 32] * ws[n, k] * xq[m, k] * wq[n, k]   out fp32 or bf16 [M, N]
+ *               (+ sum_g offsets[n, g] * gsums[m, g], int4 with offsets: GGUF Q4_K's, fp32 [N, G],
+ *               gsums[m, g] = sum of xs * xq over group g: every weight of the group moved by it)
  *     computed as integer sums over each run of k sharing a block and a weight group, each
- *     scaled once and added in fp32: equal to the formula up to fp32 rounding of those terms; a
- *     bf16 out holds those fp32 sums rounded to nearest even (torch's cast, bit for bit).
+ *     scaled once and added in fp32 (the offsets' dot after them): equal to the formula up to
+ *     fp32 rounding of those terms; a bf16 out holds those fp32 sums rounded to nearest even
+ *     (torch's cast, bit for bit).
  *
  * Shapes: x fp32 or bf16 [M, K] contiguous (bf16 widened exactly: the fp32 values x.float()
  * holds); K a multiple of group. Checked before any work. A bf16 model's decode passes its
@@ -60,6 +63,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -457,6 +461,39 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
 }
 #endif
 
+// sum_i a[i] * b[i] in fp32: eight lanes of products, each summed in order, then the lanes; the
+// same inputs give the same bits wherever it runs.
+inline float dot_fp32(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  int64_t i = 0;
+#ifdef VLLM_QUANT_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  s = hsum(acc);
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// What GGUF Q4_K's offsets meet: x' summed per weight group, gsums[m, g] = the sum over the group's
+// blocks b of xs[m, b] times the integer sum of xq over block b (fp32, in block order). K is a
+// multiple of group, group of 32.
+std::vector<float> group_sums(const int8_t* xq, const float* xs, int64_t M, int64_t K, int64_t group) {
+  const int64_t G = K / group, nblocks = K / kBlock, per_group = group / kBlock;
+  std::vector<float> sums(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+        int32_t t = 0;
+        for (int64_t j = 0; j < kBlock; ++j) t += xq[m * K + b * kBlock + j];
+        s += xs[m * nblocks + b] * static_cast<float>(t);
+      }
+      sums[m * G + g] = s;
+    }
+  return sums;
+}
+
 void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   int64_t group, int64_t k_per_row_byte) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
@@ -477,7 +514,7 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 
 template <bool kInt4>
 void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                  int64_t group) {
+                  int64_t group, const float* offsets) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
   const int64_t row_bytes = qweight.size(1), nblocks = (K + kBlock - 1) / kBlock;
   std::vector<int8_t> xq(M * K);        // [M, K]
@@ -492,6 +529,8 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     }
     quantize_row(xr, K, xq.data() + m * K, xs.data() + m * nblocks);
   }
+  const std::vector<float> gsums =
+      offsets != nullptr ? group_sums(xq.data(), xs.data(), M, K, group) : std::vector<float>();
 #ifdef VLLM_QUANT_AVX2
   // int4 in groups of 32 (this file's own quantization, GGUF Q4_0) over an even number of blocks:
   // the paired path, x laid out once per call.
@@ -602,6 +641,9 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
           op[m * N + n] += dot_scalar<kInt4>(qp + n * row_bytes, sp + n * G, xq.data() + m * K,
                                              xs.data() + m * nblocks, k_vector, K, group);
     }
+    if (offsets != nullptr)  // each row's offsets after its sums, read once per call
+      for (n = begin; n < end; ++n)
+        for (int64_t m = 0; m < M; ++m) op[m * N + n] += dot_fp32(offsets + n * G, gsums.data() + m * G, G);
     if (bf16_out) {
       uint16_t* ob = static_cast<uint16_t*>(out.data_ptr());
       for (int64_t m = 0; m < M; ++m)
@@ -636,22 +678,26 @@ void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Ten
                        int64_t group) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "int8 qweight must be int8");
   check_inputs(out, x, qweight, scales, group, 1);
-  quant_linear<false>(out, x, qweight, scales, group);
+  quant_linear<false>(out, x, qweight, scales, group, nullptr);
 }
 
 void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       int64_t group) {
+                       int64_t group, const std::optional<at::Tensor>& offsets) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "int4 qweight must be uint8 (two values per byte)");
   TORCH_CHECK(group % kBlock == 0, "int4 group (", group, ") must be a multiple of 32");
   check_inputs(out, x, qweight, scales, group, 2);
-  quant_linear<true>(out, x, qweight, scales, group);
+  if (offsets.has_value())
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->dim() == 2 &&
+                    offsets->size(0) == qweight.size(0) && offsets->size(1) == x.size(1) / group,
+                "offsets must be contiguous fp32 [N, K / group]");
+  quant_linear<true>(out, x, qweight, scales, group, offsets.has_value() ? offsets->data_ptr<float>() : nullptr);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(VLLM_QUANT_OPS, m) {
   m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group) -> ()");
-  m.def("linear_int4(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group) -> ()");
+  m.def("linear_int4(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group, Tensor? offsets=None) -> ()");
   m.def("round_activations(Tensor(a!) out, Tensor x) -> ()");
 }
 

@@ -12,8 +12,8 @@ per step for its whole run):
     attention sinks or soft cap (a sliding window is fine), LlamaMLP with SiLU, the native CPU
     attention and KV store (Granite's residual and attention multipliers are fine);
   - its four linears `Linear`s, or LoRA wrappers of them (lora/layers.py), without a
-    tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 without
-    GGUF offsets;
+    tensor-parallel shard, each dense (fp32 / bf16, row-major) or one quantized int8 / int4
+    weight (GGUF Q4_K's offsets included; a fused layer of GGUF slices in mixed formats is not one);
   - its `native_decode_allowed` (True unless a test or benchmark turns the native path off);
   - per step: no more rows than each of its linears takes natively (dense_gemv.layer_rows: the
     GEMV's rows, and bf16 rows up to 16 where the vdpbf16ps kernel runs; quantization.NATIVE_MAX_ROWS)
@@ -55,7 +55,7 @@ def native_available() -> bool:
 
 
 def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
-    """([weight or qweight, scales, bias], [kind, group], rows it runs natively) for the kernel, or
+    """([weight or qweight, scales, bias, offsets], [kind, group], rows it runs natively) for the kernel, or
     None if it does not qualify. A dense weight's second int is not a group: the rows above which
     the layer runs the vdpbf16ps kernel instead of the GEMV (0: never), as dense_linear does."""
     if type(linear) is LinearWithLoRA:  # its base layer's product, on steps without adapters
@@ -68,11 +68,12 @@ def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
         if weight.dtype not in dense_gemv.WEIGHT_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
             return None
         rows, dot_above = dense_gemv.layer_rows(weight)
-        return [weight, _EMPTY, bias], [0, dot_above], rows
-    if len(linear._quantized) != 1 or linear._quantized[0].offsets is not None or not quantization.native_available():
+        return [weight, _EMPTY, bias, _EMPTY], [0, dot_above], rows
+    if len(linear._quantized) != 1 or not quantization.native_available():
         return None
     q = linear._quantized[0]
-    return [q.qweight, q.scales, bias], [_KINDS[q.method], q.group], quantization.NATIVE_MAX_ROWS
+    offsets = _EMPTY if q.offsets is None else q.offsets
+    return [q.qweight, q.scales, bias, offsets], [_KINDS[q.method], q.group], quantization.NATIVE_MAX_ROWS
 
 
 class NativeDecodeLayer:

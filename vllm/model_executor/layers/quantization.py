@@ -18,8 +18,9 @@ Semantics (the native kernel vllm/csrc/cpu/quant_linear.cpp computes the same):
     so the native kernel runs integer dot products (int8 x int8/int4, summed per block and weight
     group, each such sum scaled once in fp32). `reference_linear` computes it in float64.
     offsets (optional, fp32 [N, K / group]): W' = s * q + offset of the element's group. GGUF's Q4_K
-          (w = d*sc*q - dmin*m) is int4 with s = d*sc and offset 8s - dmin*m. The kernels never see
-          it: x' @ W'.T = x' @ (s*q).T + group_sums(x') @ offsets.T, added after them.
+          (w = d*sc*q - dmin*m) is int4 with s = d*sc and offset 8s - dmin*m. The int4 kernel adds
+          each row's offsets' share after its integer sums: x' @ W'.T = x' @ (s*q).T + (x' summed
+          per group) @ offsets.T.
 
 Invariants:
   - `reference_linear` (x' @ dequantize().T in float64) is the reference: the native kernel and
@@ -129,10 +130,6 @@ def native_available() -> bool:
     return native_build.unavailable_reason(_SOURCE, _WHAT) is None
 
 
-def group_sums(x: torch.Tensor, group: int) -> torch.Tensor:  # [M, K] -> [M, K / group]
-    return x.view(x.shape[0], -1, group).sum(dim=2)
-
-
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] -> (xq int8 [M, K], xs fp32 [M, ceil(K / ACT_BLOCK)]), as the module docstring states."""
     m, k = x.shape
@@ -171,27 +168,29 @@ def _runs_native(x: torch.Tensor) -> bool:
     return x.is_cpu and x.shape[0] <= NATIVE_MAX_ROWS and native_available()
 
 
-def _native_op(weight: QuantizedWeight):
-    return torch.ops.vllm_quant.linear_int8 if weight.method == "int8" else torch.ops.vllm_quant.linear_int4
+def _native_linear(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
+    """The kernel: out = x' @ W'.T, rounding the activations itself (offsets included)."""
+    if weight.method == "int8":
+        torch.ops.vllm_quant.linear_int8(out, x, weight.qweight, weight.scales, weight.group)
+    else:
+        torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales, weight.group, weight.offsets)
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x: [M, K] in the model dtype -> [M, N] in the model dtype."""
     # Each conversion only when it changes something: this runs on every decode linear.
-    if bias is None and weight.offsets is None and x.dtype in KERNEL_IO_DTYPES and _runs_native(x):
+    if bias is None and x.dtype in KERNEL_IO_DTYPES and _runs_native(x):
         # The kernel reads a bf16 x and writes a bf16 out itself (the values and roundings the
         # conversions below would give), sparing a bf16 model two conversion ops a call.
         out = torch.empty(x.shape[0], weight.qweight.shape[0], dtype=x.dtype)
-        _native_op(weight)(out, x if x.is_contiguous() else x.contiguous(), weight.qweight, weight.scales, weight.group)
+        _native_linear(out, x if x.is_contiguous() else x.contiguous(), weight)
         return out
     xf = x if x.dtype == torch.float32 else x.float()
     if not xf.is_contiguous():
         xf = xf.contiguous()
     if _runs_native(xf):
         out = torch.empty(xf.shape[0], weight.qweight.shape[0], dtype=torch.float32)
-        _native_op(weight)(out, xf, weight.qweight, weight.scales, weight.group)  # rounds the activations itself
-        if weight.offsets is not None:  # the kernel computes x' @ (s*q).T; add the offsets' share exactly
-            out.addmm_(group_sums(_rounded(xf), weight.group), weight.offsets.T)
+        _native_linear(out, xf, weight)
     else:
         xr = _rounded(xf)  # [M, K] fp32: the same activations the kernel multiplies
         out = torch.cat([fp32_linear(xr, weight.dequantize(slice(start, start + TILE_ROWS)), None)

@@ -143,6 +143,8 @@ def test_each_block_format_decodes_to_gguf_values_and_stays_packed(qtype, tmp_pa
     assert decoded.nbytes <= {T.Q6_K: 1.6}.get(qtype, 1.35) * tensor.n_bytes
     if qtype == T.Q4_0:  # d kept as stored, fp16: exactly the file's bytes
         assert decoded.scales.dtype == torch.float16 and decoded.nbytes == tensor.n_bytes
+    if qtype == T.Q4_K:  # its two-level scales kept: d, dmin in fp32 and sc, m a byte each
+        assert decoded.superblocks is not None and decoded.nbytes <= 1.06 * tensor.n_bytes
 
 
 @pytest.mark.parametrize("kind", list(FILES) + ["qwen2-F32", "qwen2-Q8_0"])
@@ -208,8 +210,7 @@ def test_slices_of_one_format_are_stacked_and_decode_natively(kind, gguf_files):
         (w,) = stored
         x = torch.randn(3, layer.input_size, generator=gen)
         rows = [slice(start, start + size) for start, size in zip(layer._offsets, layer.output_sizes)]
-        slices = [q.QuantizedWeight(w.method, w.qweight[r], w.scales[r], w.group, w.in_features,
-                                    None if w.offsets is None else w.offsets[r]) for r in rows]
+        slices = [w.rows(r) for r in rows]
         expected = torch.cat([q.quantized_linear(x, s, None) for s in slices], dim=1)
         if layer.bias is not None:
             expected += layer.bias

@@ -173,6 +173,39 @@ def test_int4_kernel_adds_gguf_offsets(k, group, rows, dtype):
                                          offsets[:, :-1])
 
 
+def _kquant(n: int, k: int, gen: torch.Generator) -> q.QuantizedWeight:
+    """A GGUF Q4_K weight in its two-level form: random nibbles, 6-bit sc / m, fp16-valued d / dmin."""
+    qweight = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    sc, m = (torch.randint(0, 64, (n, k // 32), generator=gen, dtype=torch.uint8) for _ in range(2))
+    superblocks = (torch.rand(n, k // 256, 2, generator=gen) / 200).half().float()
+    return q.QuantizedWeight("int4", qweight, sc, 32, k, m, superblocks)
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_kernel_reads_k_quants_in_their_two_level_form(k, rows):
+    """Q4_K as the file keeps it (d, dmin per 256, 6-bit sc, m per 32: 0.59 bytes a weight) against
+    the reference and against its fp32 scales and offsets (which the kernel adds after the sums
+    where it adds Q4_K's per superblock: the same to fp32 rounding); bf16 in and out too."""
+    gen = torch.Generator().manual_seed(k + rows)
+    weight = _kquant(37, k, gen)
+    expanded = q.QuantizedWeight("int4", weight.qweight, weight.group_scales(), 32, k, weight.group_offsets())
+    assert weight.nbytes < 0.6 * 37 * k and torch.equal(weight.dequantize(), expanded.dequantize())
+    x = torch.randn(rows, k, generator=gen)
+    out = q.quantized_linear(x, weight, None)
+    _check_kernel(out, x, weight)
+    _check_kernel(q.quantized_linear(x, expanded, None), x, expanded)
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(q.quantized_linear(xb, weight, None), q.quantized_linear(xb.float(), weight, None).to(xb.dtype))
+    stacked = q.stack_rows([weight, weight.rows(slice(0, 5))])
+    assert torch.equal(q.quantized_linear(x, stacked, None), torch.cat([out, out[:, :5]], dim=1))
+    with pytest.raises(RuntimeError, match="superblocks must be contiguous fp32"):
+        torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales, 32, weight.offsets,
+                                         weight.superblocks[:, :-1])
+    with pytest.raises(RuntimeError, match="offsets must be contiguous uint8"):
+        torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales, 32, None, weight.superblocks)
+
+
 # The paired path reads them as stored (2048: rows long enough that one row of x asks each row's
 # stream ahead); 3 blocks: an fp32 copy.
 @pytest.mark.parametrize("k", [576, 2048, 96])
@@ -262,6 +295,10 @@ def test_portable_build_without_avx2_computes_the_same(tmp_path):
     x = torch.randn(3, 576, generator=gen)
     ops.linear_int4(out, x, weight.qweight, weight.scales, 32, weight.offsets)
     _check_kernel(out, x, weight)
+    kquant = _kquant(37, 512, gen)
+    x = torch.randn(3, 512, generator=gen)
+    ops.linear_int4(out, x, kquant.qweight, kquant.scales, 32, kquant.offsets, kquant.superblocks)
+    _check_kernel(out, x, kquant)
     x = _activations(5, 40, seed=1)
     rounded = torch.empty_like(x)
     ops.round_activations(rounded, x)

@@ -16,8 +16,9 @@ Q4_0's d, kept fp16 as stored):
   Q6_K  blocks of 256: ql[128], qh[64], int8 sc[16], fp16 d; w = d*sc*q, q in -32..31
                                                    -> int8, group 16, scale d*sc (exact in fp32)
   Q4_K  blocks of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit sc / m, qs[128]; w = d*sc*q - dmin*m,
-        q in 0..15                                  -> int4, group 32, scale d*sc, offset 8*d*sc - dmin*m
-                                                      (nibbles repacked from Q4_K's order into Q4_0's)
+        q in 0..15                                  -> int4, group 32, scale d*sc, offset 8*d*sc - dmin*m,
+                                                      kept as d, dmin (fp32) and sc, m (a byte each);
+                                                      nibbles repacked from Q4_K's order into Q4_0's
 Every 2-D weight stays packed, the LM head included (`output.weight`; with tied embeddings the
 file has none and `token_embd.weight` serves both): the embedding's loader dequantizes its lookup
 table into the model's dtype, and a tied head keeps the packed tensor as its own copy
@@ -129,8 +130,7 @@ def iterate_gguf_weights(path: str, config: Any) -> Iterator[tuple[str, Union[to
         weight = _decode(t)
         if isinstance(weight, QuantizedWeight):
             if rows is not None:
-                weight = QuantizedWeight(weight.method, weight.qweight[rows], weight.scales[rows], weight.group,
-                                         weight.in_features, None if weight.offsets is None else weight.offsets[rows])
+                weight = weight.rows(rows)
         elif rows is not None:
             weight = weight[rows]
         yield hf_name(t.name), weight
@@ -218,16 +218,14 @@ def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])  # [N, blocks]
     s = blocks[..., 4:16]  # 6-bit scales and mins of the 8 sub-blocks, packed into 12 bytes
     low, mid, high = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat([low & 63, (high & 0xF) | ((low >> 6) << 4)], dim=-1).float()  # [N, blocks, 8]
-    m = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=-1).float()
-    scales = d[..., None] * sc  # exact: an fp16 times a 6-bit integer
-    offsets = 8 * scales - dmin[..., None] * m
+    sc = torch.cat([low & 63, (high & 0xF) | ((low >> 6) << 4)], dim=-1)  # [N, blocks, 8] uint8
+    m = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=-1)
     # qs: 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles, 2c+1 in its high ones.
     qs = blocks[..., 16:].reshape(n, -1, 4, 1, 32)
     q = torch.cat([qs & 0xF, qs >> 4], dim=3).reshape(n, -1, 32)  # [N, K / 32, 32] in 0..15
     packed = q[..., :16] | (q[..., 16:] << 4)  # Q4_0's order: byte j = element j | element j+16 << 4
-    return QuantizedWeight("int4", packed.reshape(n, k // 2).contiguous(), scales.reshape(n, -1).contiguous(),
-                           INT4_GROUP, k, offsets.reshape(n, -1).contiguous())
+    return QuantizedWeight("int4", packed.reshape(n, k // 2).contiguous(), sc.reshape(n, -1).contiguous(),
+                           INT4_GROUP, k, m.reshape(n, -1).contiguous(), torch.stack([d, dmin], dim=-1).contiguous())
 
 
 def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:

@@ -28,7 +28,7 @@
  *
  * A layer's arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o,
  * gate_up, down) its weight (dense) or qweight, its scales (quantized; empty otherwise), its bias
- * (or empty), its offsets (int4 from GGUF Q4_K; empty otherwise)]; ints = [H, Hkv, D,
+ * (or empty), its offsets and superblocks (int4 from GGUF Q4_K; empty otherwise)]; ints = [H, Hkv, D,
  * sliding_window, then per linear its kind (0 dense, 8 int8, 4 int4) and group (dense: the rows
  * above which the vdpbf16ps kernel runs, 0 for never)]; floats = [input eps, post eps, attention
  * scale, residual multiplier]. A DecodeStack holds them concatenated, layer after layer. The
@@ -59,7 +59,7 @@ c10::TypedOperatorHandle<Sig> find_op(const char* name) {
 using LinearOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&);
 using Int8Op = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using Int4Op = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                    const OptTensor&);
+                    const OptTensor&, const OptTensor&);
 using NormOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using RotaryOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&);
@@ -88,7 +88,8 @@ VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
 // without a bias (the kernel widens bf16 x and rounds a bf16 out itself); with one, it runs on fp32
 // copies, the bias added before the rounding, as quantized_linear does.
 void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                 const at::Tensor& bias, const at::Tensor& offsets, int64_t kind, int64_t group) {
+                 const at::Tensor& bias, const at::Tensor& offsets, const at::Tensor& superblocks, int64_t kind,
+                 int64_t group) {
   const bool has_bias = bias.numel() > 0;
   if (kind == 0 && group > 0 && x.size(0) > group && x.scalar_type() == at::kBFloat16) {
     OptTensor b;  // bf16_dot_linear as dense_gemv.py calls it: a bf16 bias
@@ -103,11 +104,12 @@ void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
     return;
   }
   const OptTensor offs = offsets.numel() > 0 ? OptTensor(offsets) : std::nullopt;
+  const OptTensor supers = superblocks.numel() > 0 ? OptTensor(superblocks) : std::nullopt;
   const auto quant = [&](const at::Tensor& o, const at::Tensor& in) {
     if (kind == 8)
       int8_op().call(o, in, weight, scales, group);
     else
-      int4_op().call(o, in, weight, scales, group, offs);
+      int4_op().call(o, in, weight, scales, group, offs, supers);
   };
   const bool fp32 = x.scalar_type() == at::kFloat;
   if (!has_bias && (fp32 || x.scalar_type() == at::kBFloat16)) {
@@ -121,7 +123,7 @@ void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
   if (!fp32) out.copy_(of);
 }
 
-constexpr size_t kWeights = 20, kInts = 12, kFloats = 4;  // one layer's arguments
+constexpr size_t kWeights = 24, kInts = 12, kFloats = 4;  // one layer's arguments
 
 // What every layer of a step shares: the positions as int64 and the metadata, contiguous.
 struct Step {
@@ -164,7 +166,7 @@ struct Workspace {
 // Layer l's Workspace: the previous layer's where the shapes match, else a new one.
 Workspace& workspace_for(std::optional<Workspace>& ws, const at::Tensor& hidden, at::TensorList weights,
                          at::IntArrayRef ints) {
-  const auto rows = [&](int i) { return weights[4 + 4 * i].size(0); };  // output features of linear i
+  const auto rows = [&](int i) { return weights[4 + 5 * i].size(0); };  // output features of linear i
   const std::vector<int64_t> key{hidden.size(0), ints[0], ints[1], ints[2], rows(0), rows(1), rows(2), rows(3)};
   if (!ws || ws->key != key || ws->h.scalar_type() != hidden.scalar_type())
     ws.emplace(hidden, ints[0], ints[1], ints[2], rows(0), rows(1), rows(2), rows(3));
@@ -176,7 +178,8 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& residual, const at
                   at::TensorList weights, at::IntArrayRef ints, at::ArrayRef<double> floats, Workspace& w) {
   const int64_t window = ints[3], n = hidden.size(0);
   const auto lin = [&](const at::Tensor& out, const at::Tensor& x, int i) {
-    linear_into(out, x, weights[4 + 4 * i], weights[5 + 4 * i], weights[6 + 4 * i], weights[7 + 4 * i], ints[4 + 2 * i],
+    const int64_t k = 4 + 5 * i;
+    linear_into(out, x, weights[k], weights[k + 1], weights[k + 2], weights[k + 3], weights[k + 4], ints[4 + 2 * i],
                 ints[5 + 2 * i]);
   };
 

@@ -62,6 +62,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -296,6 +297,7 @@ inline __m256i dot2_u8_s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
 struct Int4Pairs {
   std::vector<__m256i> lo, hi, bias, bias8;
   std::vector<__m256> xs8;
+  std::vector<__m256> gsums8;  // x' summed per block (group_sums), in xs8's order: what Q4_K's offsets meet
   const float* xs;
 };
 
@@ -314,7 +316,7 @@ inline __m256i block_sums8(const __m256i* pair_lanes) {
   return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
 }
 
-void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pairs& out) {
+void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pairs& out, const float* gsums) {
   out.lo.resize(npairs), out.hi.resize(npairs), out.bias.resize(npairs);
   out.xs = xs;
   const auto half = [&](int64_t offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + offset)); };
@@ -331,6 +333,9 @@ void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pa
     out.bias8[g] = block_sums8(&out.bias[4 * g]);
     out.xs8[g] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs + 8 * g), even_odd);
   }
+  out.gsums8.resize(gsums != nullptr ? npairs / 4 : 0);
+  for (int64_t g = 0; g < static_cast<int64_t>(out.gsums8.size()); ++g)
+    out.gsums8[g] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(gsums + 8 * g), even_odd);
 }
 
 // Eight blocks' weight scales, stored fp32, bf16 (its bits) or fp16 (GGUF's d), as fp32 lanes in
@@ -348,6 +353,12 @@ inline __m256 scales8_even_odd(const c10::Half* ws) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws));
   return _mm256_cvtph_ps(_mm_shuffle_epi8(bits, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)));
 }
+// GGUF Q4_K's 6-bit sub-scales (a byte each), to be multiplied by their superblock's d.
+inline __m256 scales8_even_odd(const uint8_t* sc) {
+  const __m128i bytes = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)),
+                                         _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, -1, -1, -1, -1, -1, -1, -1, -1));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+}
 // Two blocks' weight scales as fp32 in the low lanes.
 inline __m128i two_halves(const void* ws) {
   int32_t bits;
@@ -359,6 +370,11 @@ inline __m128 scales2(const uint16_t* ws) {
   return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(two_halves(ws)), 16));
 }
 inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws)); }
+inline __m128 scales2(const uint8_t* sc) {
+  uint16_t bits;
+  std::memcpy(&bits, sc, sizeof(bits));
+  return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(bits)));
+}
 
 // Weight rows n, n + rs, ..., n + (kRows - 1) rs (int4, group 32, an even number of blocks)
 // against one row of x laid out by layout_int4_pairs: out[r * rs] = their sums. Per pair of
@@ -385,7 +401,7 @@ enum class Asks { kNone, kTile, kStreams };
 
 template <int kRows, Asks kAsks, Nibbles kNibbles, typename S>
 void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t G, const Int4Pairs& x,
-                    int64_t npairs, float* out, __m256i* unpacked, int64_t rs) {
+                    int64_t npairs, float* out, __m256i* unpacked, int64_t rs, const float* dd, const uint8_t* mins) {
   constexpr int64_t kScaleBytes = 2 * sizeof(S);  // a row's per pair, against 32 of weights
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows];
@@ -415,6 +431,12 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
       }
     }
   };
+  // Row r's weight scales of the blocks from 2p on, as the scale reader gives them; Q4_K's bytes
+  // (S = uint8_t) times their superblock's d, exactly: the fp32 scale d * sc.
+  const auto superblock_d = [&](int r, int64_t p, int which = 0) {  // d (0) or dmin (1)
+    if constexpr (std::is_same_v<S, uint8_t>) return dd[r * rs * (G / 4) + (p / 4) * 2 + which];
+    return 1.f;
+  };
   // The int32 lanes of pair p of row r against x, before x's bias comes off.
   const auto pair_lanes = [&](int64_t p, int r) {
     __m256i lo, hi;
@@ -438,7 +460,17 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
     ask_streams(p);
     for (int r = 0; r < kRows; ++r) {
       // [8 blocks, even then odd] weight scale x x scale
-      const __m256 d8 = _mm256_mul_ps(xs8, scales8_even_odd(ws + r * rs * G + 2 * p));
+      __m256 s8 = scales8_even_odd(ws + r * rs * G + 2 * p);
+      if constexpr (std::is_same_v<S, uint8_t>) {
+        // Q4_K: a superblock (these 8 groups) of d * sc and its offsets 8 d sc - dmin m against x'
+        // summed per group, every product exact and one rounding each, as group_offsets forms them.
+        s8 = _mm256_mul_ps(s8, _mm256_set1_ps(superblock_d(r, p)));
+        const __m256 m8 = scales8_even_odd(mins + r * rs * G + 2 * p);
+        const __m256 off8 = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.f), s8),
+                                          _mm256_mul_ps(_mm256_set1_ps(superblock_d(r, p, 1)), m8));
+        acc[r] = _mm256_fmadd_ps(off8, x.gsums8[p / 4], acc[r]);
+      }
+      const __m256 d8 = _mm256_mul_ps(xs8, s8);
       __m256i lanes[4];
       for (int q = 0; q < 4; ++q) lanes[q] = pair_lanes(p + q, r);
       const __m256i sums = _mm256_sub_epi32(block_sums8(lanes), x.bias8[p / 4]);
@@ -451,7 +483,9 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
     ask(p);
     const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x.xs + 2 * p));
     for (int r = 0; r < kRows; ++r) {
-      const __m128 d2 = _mm_mul_ps(x2, scales2(ws + r * rs * G + 2 * p));
+      __m128 s2 = scales2(ws + r * rs * G + 2 * p);
+      if constexpr (std::is_same_v<S, uint8_t>) s2 = _mm_mul_ps(s2, _mm_set1_ps(superblock_d(r, p)));
+      const __m128 d2 = _mm_mul_ps(x2, s2);
       const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), halves);
       const __m256i s = _mm256_sub_epi32(pair_lanes(p, r), x.bias[p]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
@@ -475,6 +509,48 @@ inline float dot_fp32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// GGUF Q4_K's two-level form as quantization.py keeps it: per row the groups' 6-bit mins m (a
+// byte each; the sub-scales sc are `scales`) and per superblock of 8 groups (d, dmin) in fp32
+// [N, G / 8, 2]. A group's scale is d * sc (exact) and its offset 8 d sc - dmin m (rounded once).
+struct KQuant {
+  const uint8_t* mins = nullptr;
+  const float* superblocks = nullptr;
+  at::Tensor superblocks_tensor;  // the same [N, G / 8, 2]
+};
+
+// dot_fp32(row n's offsets, gsums, G) without writing the offsets out: each offset 8 d sc - dmin m
+// (every product exact, one rounding: quantization.py's group_offsets), 8 groups (a superblock)
+// a vector, summed in dot_fp32's order: the bits dot_fp32 gives on the offsets in fp32.
+float kquant_offsets_dot(const uint8_t* sc, const KQuant& kq, int64_t n, int64_t G, const float* gsums) {
+  const uint8_t* scr = sc + n * G;
+  const uint8_t* mr = kq.mins + n * G;
+  const float* dd = kq.superblocks + n * (G / 4);
+#ifdef VLLM_QUANT_AVX2
+  const auto bytes8 = [](const uint8_t* b) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+  };
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g += 8) {
+    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(dd[g / 4]), bytes8(scr + g));
+    const __m256 off8 = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.f), s8),
+                                      _mm256_mul_ps(_mm256_set1_ps(dd[g / 4 + 1]), bytes8(mr + g)));
+    acc = _mm256_fmadd_ps(off8, _mm256_loadu_ps(gsums + g), acc);
+  }
+  return hsum(acc);
+#else
+  float sum = 0.f;
+  for (int64_t g = 0; g < G; ++g)
+    sum += (8.f * (dd[g / 8 * 2] * static_cast<float>(scr[g])) - dd[g / 8 * 2 + 1] * static_cast<float>(mr[g])) *
+           gsums[g];
+  return sum;
+#endif
+}
+
+// The fp32 scales d * sc [N, G], for the paths that read fp32 scales.
+at::Tensor kquant_scales(const at::Tensor& sc, const KQuant& kq) {
+  return kq.superblocks_tensor.select(2, 0).repeat_interleave(8, 1).mul(sc.to(at::kFloat));
+}
+
 // What GGUF Q4_K's offsets meet: x' summed per weight group, gsums[m, g] = the sum over the group's
 // blocks b of xs[m, b] times the integer sum of xq over block b (fp32, in block order). K is a
 // multiple of group, group of 32.
@@ -494,8 +570,9 @@ std::vector<float> group_sums(const int8_t* xq, const float* xs, int64_t M, int6
   return sums;
 }
 
+// scale_bytes: the scales of a K-quant (uint8 sub-scales) instead of fp32, bf16 or fp16 ones.
 void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                  int64_t group, int64_t k_per_row_byte) {
+                  int64_t group, int64_t k_per_row_byte, bool scale_bytes = false) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
               "x must be contiguous fp32 or bf16 [M, K]");
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be contiguous 2-D");
@@ -504,9 +581,12 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               " input features per row, x has ", K);
   TORCH_CHECK(group > 0 && K % group == 0, "group (", group, ") must divide K (", K, ")");
   const auto scale_type = scales.scalar_type();
-  TORCH_CHECK((scale_type == at::kFloat || scale_type == at::kBFloat16 || scale_type == at::kHalf) &&
-                  scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group,
-              "scales must be contiguous fp32, bf16 or fp16 [N, K / group]");
+  const bool typed = scale_bytes ? scale_type == at::kByte
+                                 : scale_type == at::kFloat || scale_type == at::kBFloat16 || scale_type == at::kHalf;
+  TORCH_CHECK(typed && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N &&
+                  scales.size(1) == K / group,
+              scale_bytes ? "with superblocks, scales must be contiguous uint8 [N, K / group]"
+                          : "scales must be contiguous fp32, bf16 or fp16 [N, K / group]");
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
                   out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == N,
               "out must be contiguous fp32 or bf16 [M, N]");
@@ -514,7 +594,7 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 
 template <bool kInt4>
 void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                  int64_t group, const float* offsets) {
+                  int64_t group, const float* offsets, const KQuant& kq) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
   const int64_t row_bytes = qweight.size(1), nblocks = (K + kBlock - 1) / kBlock;
   std::vector<int8_t> xq(M * K);        // [M, K]
@@ -529,8 +609,8 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     }
     quantize_row(xr, K, xq.data() + m * K, xs.data() + m * nblocks);
   }
-  const std::vector<float> gsums =
-      offsets != nullptr ? group_sums(xq.data(), xs.data(), M, K, group) : std::vector<float>();
+  const bool has_offsets = offsets != nullptr || kq.superblocks != nullptr;
+  const std::vector<float> gsums = has_offsets ? group_sums(xq.data(), xs.data(), M, K, group) : std::vector<float>();
 #ifdef VLLM_QUANT_AVX2
   // int4 in groups of 32 (this file's own quantization, GGUF Q4_0) over an even number of blocks:
   // the paired path, x laid out once per call.
@@ -541,7 +621,9 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   // bf16 scales (int4 quantized at load) and fp16 ones (GGUF Q4_0's d) are read as stored by the
   // paired path; the other paths read an fp32 copy (shapes int4 rarely has: an odd number of
   // blocks).
-  const at::Tensor fp32_scales = scales.scalar_type() != at::kFloat && !paired ? scales.to(at::kFloat) : scales;
+  const at::Tensor fp32_scales = scales.scalar_type() == at::kFloat || paired ? scales
+                                 : kq.superblocks != nullptr                  ? kquant_scales(scales, kq)
+                                                                              : scales.to(at::kFloat);
   const float* sp = fp32_scales.scalar_type() == at::kFloat ? fp32_scales.data_ptr<float>() : nullptr;
 #ifdef VLLM_QUANT_AVX2
   const bool vector = group == 16 || group % kBlock == 0 || G == 1;  // what dot_blocks handles
@@ -555,7 +637,8 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   // their nibbles unpacked once for all rows of x; there the loop is bound by arithmetic, and
   // spread rows measured 5-25% slower. A row's sums are the same either way.
   for (int64_t m = 0; m < static_cast<int64_t>(pairs.size()); ++m)
-    layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m]);
+    layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m],
+                      kq.superblocks != nullptr ? gsums.data() + m * G : nullptr);
 #else
   const int64_t k_vector = 0;
 #endif
@@ -593,7 +676,8 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         // Weight rows first, first + rs, ... against row m of x.
         const auto call = [&](auto kernel, int64_t first, int64_t rs, int64_t m) {
           kernel(qp + first * row_bytes, row_bytes, ws + first * G, G, pairs[m], nblocks / 2, op + m * N + first,
-                 unpacked, rs);
+                 unpacked, rs, kq.superblocks == nullptr ? nullptr : kq.superblocks + first * (G / 4),
+                 kq.mins == nullptr ? nullptr : kq.mins + first * G);
         };
         if (M == 1) {
           const auto spread = [&](auto asks_tag) {
@@ -617,7 +701,9 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         for (; n + kRowTile <= end; n += kRowTile) rows_of_x(vllm_cpu_bits::RowTile<kRowTile>{}, n);
         for (; n < end; ++n) rows_of_x(vllm_cpu_bits::RowTile<1>{}, n);
       };
-      if (scales.scalar_type() == at::kBFloat16)
+      if (kq.superblocks != nullptr)
+        pair_tiles(scales.data_ptr<uint8_t>());
+      else if (scales.scalar_type() == at::kBFloat16)
         pair_tiles(static_cast<const uint16_t*>(scales.data_ptr()));
       else if (scales.scalar_type() == at::kHalf)
         pair_tiles(scales.data_ptr<c10::Half>());
@@ -641,9 +727,12 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
           op[m * N + n] += dot_scalar<kInt4>(qp + n * row_bytes, sp + n * G, xq.data() + m * K,
                                              xs.data() + m * nblocks, k_vector, K, group);
     }
-    if (offsets != nullptr)  // each row's offsets after its sums, read once per call
+    if (has_offsets && !(paired && kq.superblocks != nullptr))  // the paired path adds Q4_K's in its loop
       for (n = begin; n < end; ++n)
-        for (int64_t m = 0; m < M; ++m) op[m * N + n] += dot_fp32(offsets + n * G, gsums.data() + m * G, G);
+        for (int64_t m = 0; m < M; ++m)
+          op[m * N + n] += offsets != nullptr ? dot_fp32(offsets + n * G, gsums.data() + m * G, G)
+                                              : kquant_offsets_dot(scales.data_ptr<uint8_t>(), kq, n, G,
+                                                                   gsums.data() + m * G);
     if (bf16_out) {
       uint16_t* ob = static_cast<uint16_t*>(out.data_ptr());
       for (int64_t m = 0; m < M; ++m)
@@ -678,26 +767,43 @@ void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Ten
                        int64_t group) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "int8 qweight must be int8");
   check_inputs(out, x, qweight, scales, group, 1);
-  quant_linear<false>(out, x, qweight, scales, group, nullptr);
+  quant_linear<false>(out, x, qweight, scales, group, nullptr, KQuant{});
 }
 
 void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       int64_t group, const std::optional<at::Tensor>& offsets) {
+                       int64_t group, const std::optional<at::Tensor>& offsets,
+                       const std::optional<at::Tensor>& superblocks) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "int4 qweight must be uint8 (two values per byte)");
   TORCH_CHECK(group % kBlock == 0, "int4 group (", group, ") must be a multiple of 32");
+  const int64_t N = qweight.size(0), G = x.size(1) / group;
+  if (superblocks.has_value()) {  // GGUF Q4_K: sc and m as bytes, d and dmin per 8 groups
+    check_inputs(out, x, qweight, scales, group, 2, true);
+    TORCH_CHECK(group == kBlock && G % 8 == 0 && superblocks->scalar_type() == at::kFloat &&
+                    superblocks->is_contiguous() && superblocks->dim() == 3 && superblocks->size(0) == N &&
+                    superblocks->size(1) == G / 8 && superblocks->size(2) == 2,
+                "superblocks must be contiguous fp32 [N, K / 256, 2] with groups of 32");
+    TORCH_CHECK(offsets.has_value() && offsets->scalar_type() == at::kByte && offsets->is_contiguous() &&
+                    offsets->sizes() == scales.sizes(),
+                "with superblocks, offsets must be contiguous uint8 [N, K / group]");
+    quant_linear<true>(out, x, qweight, scales, group, nullptr,
+                       KQuant{offsets->data_ptr<uint8_t>(), superblocks->data_ptr<float>(), *superblocks});
+    return;
+  }
   check_inputs(out, x, qweight, scales, group, 2);
   if (offsets.has_value())
     TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->dim() == 2 &&
-                    offsets->size(0) == qweight.size(0) && offsets->size(1) == x.size(1) / group,
+                    offsets->size(0) == N && offsets->size(1) == G,
                 "offsets must be contiguous fp32 [N, K / group]");
-  quant_linear<true>(out, x, qweight, scales, group, offsets.has_value() ? offsets->data_ptr<float>() : nullptr);
+  quant_linear<true>(out, x, qweight, scales, group, offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
+                     KQuant{});
 }
 
 }  // namespace
 
 TORCH_LIBRARY(VLLM_QUANT_OPS, m) {
   m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group) -> ()");
-  m.def("linear_int4(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group, Tensor? offsets=None) -> ()");
+  m.def("linear_int4(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group, Tensor? offsets=None, "
+        "Tensor? superblocks=None) -> ()");
   m.def("round_activations(Tensor(a!) out, Tensor x) -> ()");
 }
 

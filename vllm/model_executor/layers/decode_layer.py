@@ -55,9 +55,10 @@ def native_available() -> bool:
 
 
 def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
-    """([weight or qweight, scales, bias, offsets], [kind, group], rows it runs natively) for the kernel, or
-    None if it does not qualify. A dense weight's second int is not a group: the rows above which
-    the layer runs the vdpbf16ps kernel instead of the GEMV (0: never), as dense_linear does."""
+    """([weight or qweight, scales, bias, offsets, superblocks], [kind, group], rows it runs natively)
+    for the kernel, or None if it does not qualify. A dense weight's second int is not a group: the
+    rows above which the layer runs the vdpbf16ps kernel instead of the GEMV (0: never), as
+    dense_linear does."""
     if type(linear) is LinearWithLoRA:  # its base layer's product, on steps without adapters
         linear = linear.base_layer
     if type(linear) is not Linear or linear.shard is not None or linear._packed is not None:
@@ -68,12 +69,12 @@ def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
         if weight.dtype not in dense_gemv.WEIGHT_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
             return None
         rows, dot_above = dense_gemv.layer_rows(weight)
-        return [weight, _EMPTY, bias, _EMPTY], [0, dot_above], rows
+        return [weight, _EMPTY, bias, _EMPTY, _EMPTY], [0, dot_above], rows
     if len(linear._quantized) != 1 or not quantization.native_available():
         return None
     q = linear._quantized[0]
-    offsets = _EMPTY if q.offsets is None else q.offsets
-    return [q.qweight, q.scales, bias, offsets], [_KINDS[q.method], q.group], quantization.NATIVE_MAX_ROWS
+    optional = [_EMPTY if t is None else t for t in (q.offsets, q.superblocks)]
+    return [q.qweight, q.scales, bias, *optional], [_KINDS[q.method], q.group], quantization.NATIVE_MAX_ROWS
 
 
 class NativeDecodeLayer:

@@ -18,9 +18,11 @@ Semantics (the native kernel vllm/csrc/cpu/quant_linear.cpp computes the same):
     so the native kernel runs integer dot products (int8 x int8/int4, summed per block and weight
     group, each such sum scaled once in fp32). `reference_linear` computes it in float64.
     offsets (optional, fp32 [N, K / group]): W' = s * q + offset of the element's group. GGUF's Q4_K
-          (w = d*sc*q - dmin*m) is int4 with s = d*sc and offset 8s - dmin*m. The int4 kernel adds
-          each row's offsets' share after its integer sums: x' @ W'.T = x' @ (s*q).T + (x' summed
-          per group) @ offsets.T.
+          (w = d*sc*q - dmin*m) is int4 with s = d*sc and offset 8s - dmin*m, kept in the file's
+          two-level form (`superblocks`: d, dmin per 256; 6-bit sc, m per group as bytes: 0.59
+          bytes a weight instead of 0.75 with fp32 s and offsets). The int4 kernel adds each row's
+          offsets' share after its integer sums: x' @ W'.T = x' @ (s*q).T + (x' summed per group)
+          @ offsets.T.
 
 Invariants:
   - `reference_linear` (x' @ dequantize().T in float64) is the reference: the native kernel and
@@ -49,6 +51,7 @@ from vllm.model_executor.layers.dense_gemv import fp32_linear
 
 METHODS = ("int8", "int4")
 INT4_GROUP = 32
+KQUANT_GROUPS = 8  # groups of 32 per GGUF K-quant superblock (256 weights)
 ACT_BLOCK = 32  # input features per activation scale
 TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bounds the temporary)
 NATIVE_MAX_ROWS = 16  # up to this many rows of x use the native kernel
@@ -59,52 +62,72 @@ _SOURCE, _WHAT = "quant_linear.cpp", "CPU quantized-linear kernel"
 class QuantizedWeight:
     method: str  # "int8" | "int4"
     qweight: torch.Tensor  # int8 [N, K] or uint8 [N, K / 2]
-    scales: torch.Tensor  # fp32, bf16 (int4 at load) or fp16 (GGUF Q4_0) [N, K / group]
+    scales: torch.Tensor  # fp32, bf16 (int4 at load) or fp16 (GGUF Q4_0) [N, K / group]; uint8 sc with superblocks
     group: int
     in_features: int
-    offsets: Optional[torch.Tensor] = None  # fp32 [N, K / group], added to every weight of its group
+    offsets: Optional[torch.Tensor] = None  # fp32 [N, K / group], added to every weight of its group; uint8 m
+    # GGUF Q4_K's two-level form, as the file keeps it: fp32 [N, K / 256, 2], each superblock of 8
+    # groups' d and dmin; scales and offsets then hold the groups' 6-bit sc and m (uint8), and a
+    # group's scale is d * sc (exact) and its offset 8 * d * sc - dmin * m (rounded once).
+    superblocks: Optional[torch.Tensor] = None
 
     @property
     def out_features(self) -> int:
         return self.qweight.shape[0]
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors it holds (qweight, scales and offsets if any)."""
-        return [self.qweight, self.scales] + ([] if self.offsets is None else [self.offsets])
+        """The tensors it holds (qweight, scales, and offsets and superblocks where it has them)."""
+        return [t for t in (self.qweight, self.scales, self.offsets, self.superblocks) if t is not None]
 
     @property
     def nbytes(self) -> int:
-        offsets = 0 if self.offsets is None else self.offsets.numel() * 4
-        scales = self.scales.numel() * self.scales.element_size()
-        return self.qweight.numel() * self.qweight.element_size() + scales + offsets
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def rows(self, index) -> "QuantizedWeight":
+        """The weight of the output rows `index` (a slice or an index tensor) selects."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return QuantizedWeight(self.method, self.qweight[index], self.scales[index], self.group, self.in_features,
+                               pick(self.offsets), pick(self.superblocks))
+
+    def group_scales(self) -> torch.Tensor:  # fp32 [N, K / group]
+        if self.superblocks is None:
+            return self.scales.float()
+        return self.superblocks[..., 0].repeat_interleave(KQUANT_GROUPS, dim=1) * self.scales.float()
+
+    def group_offsets(self) -> Optional[torch.Tensor]:  # fp32 [N, K / group], or None
+        if self.superblocks is None:
+            return self.offsets
+        dmin = self.superblocks[..., 1].repeat_interleave(KQUANT_GROUPS, dim=1)
+        return 8 * self.group_scales() - dmin * self.offsets.float()
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:  # fp32 [N, K] (or the rows asked for)
-        q = self.qweight[rows]
+        part = self.rows(rows)
+        q = part.qweight
         if self.method == "int4":
             blocks = q.view(q.shape[0], -1, INT4_GROUP // 2)  # [n, K / 32, 16] bytes
             low = (blocks & 0x0F).to(torch.int8) - 8
             high = (blocks >> 4).to(torch.int8) - 8
             q = torch.cat([low, high], dim=-1).view(q.shape[0], self.in_features)
-        scales = self.scales[rows].float().repeat_interleave(self.group, dim=1)
-        if self.offsets is None:
-            return q.float() * scales
-        return q.float() * scales + self.offsets[rows].repeat_interleave(self.group, dim=1)
+        w = q.float() * part.group_scales().repeat_interleave(self.group, dim=1)
+        offsets = part.group_offsets()
+        return w if offsets is None else w + offsets.repeat_interleave(self.group, dim=1)
 
 
 def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
     """The weights' rows one after another, as one weight (a fused layer's slices stored apart, as
     GGUF files store q/k/v and gate/up), or None where they differ in method, group, input size,
-    scale dtype or in having offsets. Each output row is computed from its own row alone, so the
-    stacked weight's product equals the slices' products side by side, bit for bit, in one call."""
+    scale dtype or in having offsets or superblocks. Each output row is computed from its own row
+    alone, so the stacked weight's product equals the slices' products side by side, bit for bit,
+    in one call."""
     first = weights[0]
-    if any((w.method, w.group, w.in_features, w.scales.dtype, w.offsets is None)
-           != (first.method, first.group, first.in_features, first.scales.dtype, first.offsets is None)
-           for w in weights):
+    shape = lambda w: (w.method, w.group, w.in_features, w.scales.dtype, w.offsets is None,  # noqa: E731
+                       w.superblocks is None)
+    if any(shape(w) != shape(first) for w in weights):
         return None
-    offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights])
-    return QuantizedWeight(first.method, torch.cat([w.qweight for w in weights]),
-                           torch.cat([w.scales for w in weights]), first.group, first.in_features, offsets)
-
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return QuantizedWeight(first.method, cat([w.qweight for w in weights]), cat([w.scales for w in weights]),
+                           first.group, first.in_features, cat([w.offsets for w in weights]),
+                           cat([w.superblocks for w in weights]))
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     """weight: [N, K] floating. Round to nearest, symmetric, as the module docstring states."""
@@ -173,7 +196,8 @@ def _native_linear(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) 
     if weight.method == "int8":
         torch.ops.vllm_quant.linear_int8(out, x, weight.qweight, weight.scales, weight.group)
     else:
-        torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales, weight.group, weight.offsets)
+        torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales, weight.group, weight.offsets,
+                                         weight.superblocks)
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -12,6 +12,10 @@
  *            32 b + j + 16 in its high nibble, both stored as q + 8:
  *            wq[n, k] = nibble - 8 in [-8, 7]                               qweight uint8 [N, K / 2]
  *     ws[n, k] = scales[n, k / group]                     scales fp32, bf16 or fp16 [N, K / group]
+ *     GGUF Q4_K's two-level form (int4, group 32, `superblocks` fp32 [N, K / 256, 2] = d, dmin;
+ *     scales and offsets uint8 [N, K / 32] = the 6-bit sc, m): ws[n, k] = d * sc (exact) and
+ *     offsets[n, g] = 8 d sc - dmin m (rounded once), as quantization.py's group_scales /
+ *     group_offsets form them
  *   activations, per row m and block b of 32 input features (the last block may be shorter):
  *     xs[m, b] = max_k |x[m, k]| / 127,  xq[m, k] = round_half_even(x[m, k] * (1 / xs[m, b]))
  *     (both fp32, 1 / xs taken as 0 for an all-zero block), clamped to [-127, 127]

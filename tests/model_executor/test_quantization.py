@@ -206,6 +206,31 @@ def test_int4_kernel_reads_k_quants_in_their_two_level_form(k, rows):
         torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales, 32, None, weight.superblocks)
 
 
+def _q6_k(n: int, k: int, gen: torch.Generator) -> q.QuantizedWeight:
+    """A GGUF Q6_K weight in its two-level form: values -32..31, int8 sc per 16, fp16-valued d per 256."""
+    qweight = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    sc = torch.randint(-128, 128, (n, k // 16), generator=gen, dtype=torch.int8)
+    d = (torch.rand(n, k // 256, 1, generator=gen) / 500).half().float()
+    return q.QuantizedWeight("int8", qweight, sc, 16, k, superblocks=d)
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_kernel_reads_q6_k_in_its_two_level_form(k, rows):
+    """Q6_K as the file keeps it (d per 256, int8 sc per 16: 1.08 bytes a weight) gives bit for bit
+    what its fp32 scales d * sc give (formed exactly in the loop), and the reference."""
+    gen = torch.Generator().manual_seed(k + rows)
+    weight = _q6_k(37, k, gen)
+    expanded = q.QuantizedWeight("int8", weight.qweight, weight.group_scales(), 16, k)
+    assert weight.nbytes < 1.1 * 37 * k and torch.equal(weight.dequantize(), expanded.dequantize())
+    x = torch.randn(rows, k, generator=gen)
+    out = q.quantized_linear(x, weight, None)
+    assert torch.equal(out, q.quantized_linear(x, expanded, None))
+    _check_kernel(out, x, weight)
+    with pytest.raises(RuntimeError, match="superblocks must be contiguous fp32"):
+        torch.ops.vllm_quant.linear_int8(out, x, weight.qweight, weight.scales, 32, weight.superblocks)
+
+
 # The paired path reads them as stored (2048: rows long enough that one row of x asks each row's
 # stream ahead); 3 blocks: an fp32 copy.
 @pytest.mark.parametrize("k", [576, 2048, 96])
@@ -299,6 +324,9 @@ def test_portable_build_without_avx2_computes_the_same(tmp_path):
     x = torch.randn(3, 512, generator=gen)
     ops.linear_int4(out, x, kquant.qweight, kquant.scales, 32, kquant.offsets, kquant.superblocks)
     _check_kernel(out, x, kquant)
+    q6_k = _q6_k(37, 512, gen)
+    ops.linear_int8(out, x, q6_k.qweight, q6_k.scales, 16, q6_k.superblocks)
+    _check_kernel(out, x, q6_k)
     x = _activations(5, 40, seed=1)
     rounded = torch.empty_like(x)
     ops.round_activations(rounded, x)

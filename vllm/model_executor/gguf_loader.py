@@ -14,7 +14,8 @@ Q4_0's d, kept fp16 as stored):
   Q4_0  blocks of 32: fp16 d, 16 bytes of nibbles  -> int4 exactly as stored (our int4 is Q4_0's
                                                       layout: byte j = element j | element j+16 << 4)
   Q6_K  blocks of 256: ql[128], qh[64], int8 sc[16], fp16 d; w = d*sc*q, q in -32..31
-                                                   -> int8, group 16, scale d*sc (exact in fp32)
+                                                   -> int8, group 16, scale d*sc (exact in fp32),
+                                                      kept as d (fp32) and sc (a byte each)
   Q4_K  blocks of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit sc / m, qs[128]; w = d*sc*q - dmin*m,
         q in 0..15                                  -> int4, group 32, scale d*sc, offset 8*d*sc - dmin*m,
                                                       kept as d, dmin (fp32) and sc, m (a byte each);
@@ -237,9 +238,10 @@ def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     low = torch.cat([ql & 0xF, ql >> 4], dim=3)  # [N, blocks, half, i, l]
     high = torch.cat([(qh >> (2 * i)) & 3 for i in range(4)], dim=3)
     q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, k)
-    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [N, blocks, 16]
-    scales = _fp16(blocks[..., 208:210])[..., None] * sc  # exact: an fp16 times an int8
-    return QuantizedWeight("int8", q.contiguous(), scales.reshape(n, -1).contiguous(), 16, k)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8)  # [N, blocks, 16]
+    d = _fp16(blocks[..., 208:210])[..., None]  # [N, blocks, 1]; a group's scale d * sc, exact
+    return QuantizedWeight("int8", q.contiguous(), sc.reshape(n, -1).contiguous(), 16, k,
+                           superblocks=d.contiguous())
 
 
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q6_K": _q6_k}

@@ -28,7 +28,7 @@
  *
  * A layer's arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o,
  * gate_up, down) its weight (dense) or qweight, its scales (quantized; empty otherwise), its bias
- * (or empty), its offsets and superblocks (int4 from GGUF Q4_K; empty otherwise)]; ints = [H, Hkv, D,
+ * (or empty), its offsets (GGUF Q4_K) and superblocks (GGUF Q4_K, Q6_K), empty otherwise]; ints = [H, Hkv, D,
  * sliding_window, then per linear its kind (0 dense, 8 int8, 4 int4) and group (dense: the rows
  * above which the vdpbf16ps kernel runs, 0 for never)]; floats = [input eps, post eps, attention
  * scale, residual multiplier]. A DecodeStack holds them concatenated, layer after layer. The
@@ -57,7 +57,8 @@ c10::TypedOperatorHandle<Sig> find_op(const char* name) {
 // The ops of the other kernel files, each looked up on its first use (decode_layer.py builds a
 // layer only once the kernels it calls are loaded; a dense model never loads the quantized one).
 using LinearOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&);
-using Int8Op = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using Int8Op = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                    const OptTensor&);
 using Int4Op = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                     const OptTensor&, const OptTensor&);
 using NormOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
@@ -107,7 +108,7 @@ void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
   const OptTensor supers = superblocks.numel() > 0 ? OptTensor(superblocks) : std::nullopt;
   const auto quant = [&](const at::Tensor& o, const at::Tensor& in) {
     if (kind == 8)
-      int8_op().call(o, in, weight, scales, group);
+      int8_op().call(o, in, weight, scales, group, supers);
     else
       int4_op().call(o, in, weight, scales, group, offs, supers);
   };

@@ -15,7 +15,8 @@
  *     GGUF Q4_K's two-level form (int4, group 32, `superblocks` fp32 [N, K / 256, 2] = d, dmin;
  *     scales and offsets uint8 [N, K / 32] = the 6-bit sc, m): ws[n, k] = d * sc (exact) and
  *     offsets[n, g] = 8 d sc - dmin m (rounded once), as quantization.py's group_scales /
- *     group_offsets form them
+ *     group_offsets form them; Q6_K's (int8, group 16, superblocks [N, K / 256, 1] = d, scales
+ *     int8 sc): ws = d * sc
  *   activations, per row m and block b of 32 input features (the last block may be shorter):
  *     xs[m, b] = max_k |x[m, k]| / 127,  xq[m, k] = round_half_even(x[m, k] * (1 / xs[m, b]))
  *     (both fp32, 1 / xs taken as 0 for an all-zero block), clamped to [-127, 127]
@@ -228,21 +229,33 @@ inline float hsum(__m256 v) {
 // Granite-3.3-2B's int8 decode step 120.8 -> 112.9 and 115.3 -> 110.1 ms in the engine; on Zen 4
 // (VNNI), 2048 x 8192 14.7 -> 19.7 GB/s (8192 x 2048's rows, not asked, the same), its down_proj
 // in that decode 13.6% faster timed per op, the step 0.95-0.99x in three alternating runs.
+// sc, d (groups of 16: GGUF Q6_K's two-level scales, else null): the rows' int8 sub-scales [.., G]
+// and their superblocks' d [.., G / 16], read instead of ws: each scale d * sc, exact.
 template <bool kInt4, int kRows, bool kAsk = false>
 void dot_blocks(const uint8_t* rows, int64_t row_bytes, const float* ws, int64_t G, const int8_t* xq,
-                const float* xs, int64_t nfull, int64_t group, float* out, int64_t rs) {
+                const float* xs, int64_t nfull, int64_t group, float* out, int64_t rs, const int8_t* sc,
+                const float* d) {
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   if (group == 16) {
+    float formed[kRows][16];  // Q6_K: the current superblock's scales of each row
     for (int64_t b = 0; b < nfull; ++b) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
       const __m256i x_bias = block_bias<kInt4>(x);
       const __m256 x_scale = _mm256_broadcast_ss(xs + b);
+      if (sc != nullptr && b % 8 == 0)  // a superblock's 16 scales d * sc per row, formed once
+        for (int r = 0; r < kRows; ++r) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + r * rs * G + 2 * b));
+          const __m256 dr = _mm256_set1_ps(d[r * rs * (G / 16) + b / 8]);
+          _mm256_storeu_ps(formed[r], _mm256_mul_ps(dr, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
+          _mm256_storeu_ps(formed[r] + 8,
+                           _mm256_mul_ps(dr, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))));
+        }
       for (int r = 0; r < kRows; ++r) {
-        const float* wsr = ws + r * rs * G + 2 * b;  // the two halves' weight scales
-        const __m256 d = _mm256_mul_ps(x_scale, _mm256_set_m128(_mm_broadcast_ss(wsr + 1), _mm_broadcast_ss(wsr)));
+        const float* wsr = sc != nullptr ? formed[r] + 2 * (b % 8) : ws + r * rs * G + 2 * b;  // the two halves'
+        const __m256 wd = _mm256_mul_ps(x_scale, _mm256_set_m128(_mm_broadcast_ss(wsr + 1), _mm_broadcast_ss(wsr)));
         const __m256i s = block_dot<kInt4>(rows + r * rs * row_bytes, b, x, x_bias);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), wd, acc[r]);
       }
     }
   } else {
@@ -513,9 +526,10 @@ inline float dot_fp32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// GGUF Q4_K's two-level form as quantization.py keeps it: per row the groups' 6-bit mins m (a
-// byte each; the sub-scales sc are `scales`) and per superblock of 8 groups (d, dmin) in fp32
-// [N, G / 8, 2]. A group's scale is d * sc (exact) and its offset 8 d sc - dmin m (rounded once).
+// GGUF K-quants' two-level form as quantization.py keeps it. Q4_K: per row the groups' 6-bit
+// mins m (a byte each; the sub-scales sc are `scales`) and per superblock of 8 groups (d, dmin) in
+// fp32 [N, G / 8, 2]; a group's scale is d * sc (exact) and its offset 8 d sc - dmin m (rounded
+// once). Q6_K (int8, groups of 16): int8 sc as `scales`, d per 16 groups [N, G / 16, 1], no mins.
 struct KQuant {
   const uint8_t* mins = nullptr;
   const float* superblocks = nullptr;
@@ -552,7 +566,8 @@ float kquant_offsets_dot(const uint8_t* sc, const KQuant& kq, int64_t n, int64_t
 
 // The fp32 scales d * sc [N, G], for the paths that read fp32 scales.
 at::Tensor kquant_scales(const at::Tensor& sc, const KQuant& kq) {
-  return kq.superblocks_tensor.select(2, 0).repeat_interleave(8, 1).mul(sc.to(at::kFloat));
+  const at::Tensor d = kq.superblocks_tensor.select(2, 0);  // [N, superblocks]
+  return d.repeat_interleave(sc.size(1) / d.size(1), 1).mul(sc.to(at::kFloat));
 }
 
 // What GGUF Q4_K's offsets meet: x' summed per weight group, gsums[m, g] = the sum over the group's
@@ -585,11 +600,11 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               " input features per row, x has ", K);
   TORCH_CHECK(group > 0 && K % group == 0, "group (", group, ") must divide K (", K, ")");
   const auto scale_type = scales.scalar_type();
-  const bool typed = scale_bytes ? scale_type == at::kByte
+  const bool typed = scale_bytes ? scale_type == at::kByte || scale_type == at::kChar
                                  : scale_type == at::kFloat || scale_type == at::kBFloat16 || scale_type == at::kHalf;
   TORCH_CHECK(typed && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N &&
                   scales.size(1) == K / group,
-              scale_bytes ? "with superblocks, scales must be contiguous uint8 [N, K / group]"
+              scale_bytes ? "with superblocks, scales must be contiguous bytes [N, K / group]"
                           : "scales must be contiguous fp32, bf16 or fp16 [N, K / group]");
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
                   out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == N,
@@ -613,7 +628,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     }
     quantize_row(xr, K, xq.data() + m * K, xs.data() + m * nblocks);
   }
-  const bool has_offsets = offsets != nullptr || kq.superblocks != nullptr;
+  const bool has_offsets = offsets != nullptr || kq.mins != nullptr;
   const std::vector<float> gsums = has_offsets ? group_sums(xq.data(), xs.data(), M, K, group) : std::vector<float>();
 #ifdef VLLM_QUANT_AVX2
   // int4 in groups of 32 (this file's own quantization, GGUF Q4_0) over an even number of blocks:
@@ -625,10 +640,16 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   // bf16 scales (int4 quantized at load) and fp16 ones (GGUF Q4_0's d) are read as stored by the
   // paired path; the other paths read an fp32 copy (shapes int4 rarely has: an odd number of
   // blocks).
-  const at::Tensor fp32_scales = scales.scalar_type() == at::kFloat || paired ? scales
-                                 : kq.superblocks != nullptr                  ? kquant_scales(scales, kq)
-                                                                              : scales.to(at::kFloat);
+#ifdef VLLM_QUANT_AVX2
+  const bool q6_in_loop = !kInt4 && kq.superblocks != nullptr;  // dot_blocks forms Q6_K's d * sc itself
+#else
+  const bool q6_in_loop = false;
+#endif
+  const at::Tensor fp32_scales = scales.scalar_type() == at::kFloat || paired || q6_in_loop ? scales
+                                 : kq.superblocks != nullptr ? kquant_scales(scales, kq)
+                                                             : scales.to(at::kFloat);
   const float* sp = fp32_scales.scalar_type() == at::kFloat ? fp32_scales.data_ptr<float>() : nullptr;
+  [[maybe_unused]] const int8_t* q6_sc = q6_in_loop ? scales.data_ptr<int8_t>() : nullptr;
 #ifdef VLLM_QUANT_AVX2
   const bool vector = group == 16 || group % kBlock == 0 || G == 1;  // what dot_blocks handles
   const int64_t k_vector = vector ? (K / kBlock) * kBlock : 0;  // features the vector path covers
@@ -661,9 +682,11 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     const auto tile = [&](auto rows_tag, int64_t first, int64_t rs) {
       constexpr int kRows = decltype(rows_tag)::value;
       const auto rows_of_x = [&](auto ask_tag, int64_t m) {
-        dot_blocks<kInt4, kRows, decltype(ask_tag)::value>(qp + first * row_bytes, row_bytes, sp + first * G, G,
-                                                           xq.data() + m * K, xs.data() + m * nblocks,
-                                                           k_vector / kBlock, group, op + m * N + first, rs);
+        dot_blocks<kInt4, kRows, decltype(ask_tag)::value>(
+            qp + first * row_bytes, row_bytes, sp == nullptr ? nullptr : sp + first * G, G, xq.data() + m * K,
+            xs.data() + m * nblocks, k_vector / kBlock, group, op + m * N + first, rs,
+            q6_sc == nullptr ? nullptr : q6_sc + first * G,
+            q6_sc == nullptr ? nullptr : kq.superblocks + first * (G / 16));
       };
       for (int64_t m = 0; m < M; ++m)
         if (m == 0 && ask)
@@ -768,8 +791,20 @@ void round_activations(const at::Tensor& out, const at::Tensor& x) {
 }
 
 void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       int64_t group) {
+                       int64_t group, const std::optional<at::Tensor>& superblocks) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "int8 qweight must be int8");
+  if (superblocks.has_value()) {  // GGUF Q6_K: int8 sc per 16, d per 256
+    const int64_t N = qweight.size(0), G = x.dim() == 2 ? x.size(1) / group : 0;
+    TORCH_CHECK(group == 16 && G % 16 == 0 && superblocks->scalar_type() == at::kFloat &&
+                    superblocks->is_contiguous() && superblocks->dim() == 3 && superblocks->size(0) == N &&
+                    superblocks->size(1) == G / 16 && superblocks->size(2) == 1,
+                "superblocks must be contiguous fp32 [N, K / 256, 1] with groups of 16");
+    TORCH_CHECK(scales.scalar_type() == at::kChar, "with superblocks, int8 scales must be int8 [N, K / 16]");
+    check_inputs(out, x, qweight, scales, group, 1, true);
+    quant_linear<false>(out, x, qweight, scales, group, nullptr,
+                        KQuant{nullptr, superblocks->data_ptr<float>(), *superblocks});
+    return;
+  }
   check_inputs(out, x, qweight, scales, group, 1);
   quant_linear<false>(out, x, qweight, scales, group, nullptr, KQuant{});
 }
@@ -781,6 +816,7 @@ void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Ten
   TORCH_CHECK(group % kBlock == 0, "int4 group (", group, ") must be a multiple of 32");
   const int64_t N = qweight.size(0), G = x.size(1) / group;
   if (superblocks.has_value()) {  // GGUF Q4_K: sc and m as bytes, d and dmin per 8 groups
+    TORCH_CHECK(scales.scalar_type() == at::kByte, "with superblocks, int4 scales must be uint8 [N, K / 32]");
     check_inputs(out, x, qweight, scales, group, 2, true);
     TORCH_CHECK(group == kBlock && G % 8 == 0 && superblocks->scalar_type() == at::kFloat &&
                     superblocks->is_contiguous() && superblocks->dim() == 3 && superblocks->size(0) == N &&
@@ -805,7 +841,8 @@ void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(VLLM_QUANT_OPS, m) {
-  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group) -> ()");
+  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group, Tensor? superblocks=None) "
+        "-> ()");
   m.def("linear_int4(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group, Tensor? offsets=None, "
         "Tensor? superblocks=None) -> ()");
   m.def("round_activations(Tensor(a!) out, Tensor x) -> ()");

@@ -51,7 +51,7 @@ from vllm.model_executor.layers.dense_gemv import fp32_linear
 
 METHODS = ("int8", "int4")
 INT4_GROUP = 32
-KQUANT_GROUPS = 8  # groups of 32 per GGUF K-quant superblock (256 weights)
+KQUANT_SUPERBLOCK = 256  # weights per GGUF K-quant superblock (d, dmin)
 ACT_BLOCK = 32  # input features per activation scale
 TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bounds the temporary)
 NATIVE_MAX_ROWS = 16  # up to this many rows of x use the native kernel
@@ -66,9 +66,10 @@ class QuantizedWeight:
     group: int
     in_features: int
     offsets: Optional[torch.Tensor] = None  # fp32 [N, K / group], added to every weight of its group; uint8 m
-    # GGUF Q4_K's two-level form, as the file keeps it: fp32 [N, K / 256, 2], each superblock of 8
-    # groups' d and dmin; scales and offsets then hold the groups' 6-bit sc and m (uint8), and a
-    # group's scale is d * sc (exact) and its offset 8 * d * sc - dmin * m (rounded once).
+    # GGUF K-quants' two-level form, as the file keeps it, per superblock of 256 weights. Q4_K:
+    # fp32 [N, K / 256, 2], d and dmin; scales and offsets hold the groups' 6-bit sc and m (uint8);
+    # a group's scale is d * sc (exact), its offset 8 * d * sc - dmin * m (rounded once). Q6_K
+    # (int8, groups of 16): fp32 [N, K / 256, 1], d; scales the groups' int8 sc; scale d * sc.
     superblocks: Optional[torch.Tensor] = None
 
     @property
@@ -89,16 +90,18 @@ class QuantizedWeight:
         return QuantizedWeight(self.method, self.qweight[index], self.scales[index], self.group, self.in_features,
                                pick(self.offsets), pick(self.superblocks))
 
+    def _per_group(self, t: torch.Tensor) -> torch.Tensor:  # [N, K / 256] -> [N, K / group]
+        return t.repeat_interleave(KQUANT_SUPERBLOCK // self.group, dim=1)
+
     def group_scales(self) -> torch.Tensor:  # fp32 [N, K / group]
         if self.superblocks is None:
             return self.scales.float()
-        return self.superblocks[..., 0].repeat_interleave(KQUANT_GROUPS, dim=1) * self.scales.float()
+        return self._per_group(self.superblocks[..., 0]) * self.scales.float()
 
     def group_offsets(self) -> Optional[torch.Tensor]:  # fp32 [N, K / group], or None
-        if self.superblocks is None:
+        if self.superblocks is None or self.offsets is None:
             return self.offsets
-        dmin = self.superblocks[..., 1].repeat_interleave(KQUANT_GROUPS, dim=1)
-        return 8 * self.group_scales() - dmin * self.offsets.float()
+        return 8 * self.group_scales() - self._per_group(self.superblocks[..., 1]) * self.offsets.float()
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:  # fp32 [N, K] (or the rows asked for)
         part = self.rows(rows)
@@ -194,7 +197,7 @@ def _runs_native(x: torch.Tensor) -> bool:
 def _native_linear(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
     """The kernel: out = x' @ W'.T, rounding the activations itself (offsets included)."""
     if weight.method == "int8":
-        torch.ops.vllm_quant.linear_int8(out, x, weight.qweight, weight.scales, weight.group)
+        torch.ops.vllm_quant.linear_int8(out, x, weight.qweight, weight.scales, weight.group, weight.superblocks)
     else:
         torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales, weight.group, weight.offsets,
                                          weight.superblocks)

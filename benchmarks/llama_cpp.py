@@ -209,7 +209,8 @@ def main() -> None:
     parser.add_argument("--threads", nargs="+", type=int, default=[1], help="threads of both engines")
     parser.add_argument("--context", type=int, default=512, help="prompt tokens before the timed decode")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per engine and round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="turns of both engines (on a shared VM 3 rounds let one slow round decide a median)")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
     parser.add_argument("--json", default=None, help="write results to this JSON file")
     args = parser.parse_args()

@@ -20,9 +20,10 @@ Semantics (the native kernel vllm/csrc/cpu/quant_linear.cpp computes the same):
     offsets (optional, fp32 [N, K / group]): W' = s * q + offset of the element's group. GGUF's Q4_K
           (w = d*sc*q - dmin*m) is int4 with s = d*sc and offset 8s - dmin*m, kept in the file's
           two-level form (`superblocks`: d, dmin per 256; 6-bit sc, m per group as bytes: 0.59
-          bytes a weight instead of 0.75 with fp32 s and offsets). The int4 kernel adds each row's
-          offsets' share after its integer sums: x' @ W'.T = x' @ (s*q).T + (x' summed per group)
-          @ offsets.T.
+          bytes a weight instead of 0.75 with fp32 s and offsets); GGUF's Q6_K likewise keeps d
+          per 256 and its int8 sc per 16. The int4 kernel adds the offsets' share itself, x' @ W'.T
+          = x' @ (s*q).T + (x' summed per group) @ offsets.T: per superblock inside its loop for
+          Q4_K, after a row's integer sums for fp32 offsets.
 
 Invariants:
   - `reference_linear` (x' @ dequantize().T in float64) is the reference: the native kernel and

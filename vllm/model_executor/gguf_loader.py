@@ -83,34 +83,36 @@ def load_gguf_config(path: str) -> Any:
     """The HF config transformers reads from the file's metadata, naming the class that serves it."""
     from transformers import AutoConfig
 
-    architecture = _metadata(path, "general.architecture")
+    reader = _reader(path)
+    architecture = _metadata(reader, path, "general.architecture")
     if architecture not in ("llama", "qwen2"):
         raise ValueError(f"GGUF file {path!r} holds a {architecture!r} model; supported GGUF architectures: "
                          "llama (Llama, Mistral), qwen2.")
     config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     config.architectures = [ARCHITECTURES[config.model_type]]
-    config.dtype = _layers_dtype(path)
+    config.dtype = _layers_dtype(reader)
     return config
 
 
-def _layers_dtype(path: str) -> Optional[torch.dtype]:
+def _layers_dtype(reader) -> Optional[torch.dtype]:
     """bf16 / fp16 when every 2-D layer weight of the file is BF16 / F16, so that dtype="auto" takes
     the file as it takes a bf16 / fp16 checkpoint (on a CPU: bf16 where it has native bf16); None for
     F32, quantized or mixed layers (then fp32, the precision llama.cpp computes activations in)."""
-    import gguf
-
-    tensors = gguf.GGUFReader(path).tensors
-    kinds = {t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    kinds = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
     return {frozenset({"BF16"}): torch.bfloat16, frozenset({"F16"}): torch.float16}.get(frozenset(kinds))
 
 
-def _metadata(path: str, key: str) -> Any:
+def _reader(path: str):
     import gguf
 
     try:
-        field = gguf.GGUFReader(path).fields.get(key)
+        return gguf.GGUFReader(path)
     except Exception as e:  # gguf-py raises ValueError, struct.error, IndexError... on a damaged file
         raise ValueError(f"{path!r} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+
+
+def _metadata(reader, path: str, key: str) -> Any:
+    field = reader.fields.get(key)
     if field is None:
         raise ValueError(f"GGUF file {path!r} has no {key!r} metadata.")
     return field.contents()

@@ -24,7 +24,8 @@
  *               (+ sum_g offsets[n, g] * gsums[m, g], int4 with offsets: GGUF Q4_K's, fp32 [N, G],
  *               gsums[m, g] = sum of xs * xq over group g: every weight of the group moved by it)
  *     computed as integer sums over each run of k sharing a block and a weight group, each
- *     scaled once and added in fp32 (the offsets' dot after them): equal to the formula up to
+ *     scaled once and added in fp32 (offsets: Q4_K's per superblock in the paired loop, fp32
+ *     ones in a dot after a row's sums): equal to the formula up to
  *     fp32 rounding of those terms; a bf16 out holds those fp32 sums rounded to nearest even
  *     (torch's cast, bit for bit).
  *
@@ -387,11 +388,6 @@ inline __m128 scales2(const uint16_t* ws) {
   return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(two_halves(ws)), 16));
 }
 inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws)); }
-inline __m128 scales2(const uint8_t* sc) {
-  uint16_t bits;
-  std::memcpy(&bits, sc, sizeof(bits));
-  return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(bits)));
-}
 
 // Weight rows n, n + rs, ..., n + (kRows - 1) rs (int4, group 32, an even number of blocks)
 // against one row of x laid out by layout_int4_pairs: out[r * rs] = their sums. Per pair of
@@ -448,12 +444,8 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
       }
     }
   };
-  // Row r's weight scales of the blocks from 2p on, as the scale reader gives them; Q4_K's bytes
-  // (S = uint8_t) times their superblock's d, exactly: the fp32 scale d * sc.
-  const auto superblock_d = [&](int r, int64_t p, int which = 0) {  // d (0) or dmin (1)
-    if constexpr (std::is_same_v<S, uint8_t>) return dd[r * rs * (G / 4) + (p / 4) * 2 + which];
-    return 1.f;
-  };
+  // Q4_K (S = uint8_t): row r's d (0) or dmin (1) of the superblock of pairs p .. p + 3.
+  const auto superblock = [&](int r, int64_t p, int which) { return dd[r * rs * (G / 4) + (p / 4) * 2 + which]; };
   // The int32 lanes of pair p of row r against x, before x's bias comes off.
   const auto pair_lanes = [&](int64_t p, int r) {
     __m256i lo, hi;
@@ -481,10 +473,10 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
       if constexpr (std::is_same_v<S, uint8_t>) {
         // Q4_K: a superblock (these 8 groups) of d * sc and its offsets 8 d sc - dmin m against x'
         // summed per group, every product exact and one rounding each, as group_offsets forms them.
-        s8 = _mm256_mul_ps(s8, _mm256_set1_ps(superblock_d(r, p)));
+        s8 = _mm256_mul_ps(s8, _mm256_set1_ps(superblock(r, p, 0)));
         const __m256 m8 = scales8_even_odd(mins + r * rs * G + 2 * p);
         const __m256 off8 = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.f), s8),
-                                          _mm256_mul_ps(_mm256_set1_ps(superblock_d(r, p, 1)), m8));
+                                          _mm256_mul_ps(_mm256_set1_ps(superblock(r, p, 1)), m8));
         acc[r] = _mm256_fmadd_ps(off8, x.gsums8[p / 4], acc[r]);
       }
       const __m256 d8 = _mm256_mul_ps(xs8, s8);
@@ -494,18 +486,19 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d8, acc[r]);
     }
   }
-  // The pairs past the last four (up to three; one on SmolLM2's 576 features), one at a time.
-  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // block 2p's scale, then 2p + 1's
-  for (; p < npairs; ++p) {
-    ask(p);
-    const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x.xs + 2 * p));
-    for (int r = 0; r < kRows; ++r) {
-      __m128 s2 = scales2(ws + r * rs * G + 2 * p);
-      if constexpr (std::is_same_v<S, uint8_t>) s2 = _mm_mul_ps(s2, _mm_set1_ps(superblock_d(r, p)));
-      const __m128 d2 = _mm_mul_ps(x2, s2);
-      const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), halves);
-      const __m256i s = _mm256_sub_epi32(pair_lanes(p, r), x.bias[p]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
+  // The pairs past the last four (up to three; one on SmolLM2's 576 features), one at a time. A
+  // K-quant has none: its superblocks of 8 blocks make npairs a multiple of four.
+  if constexpr (!std::is_same_v<S, uint8_t>) {
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // block 2p's scale, then 2p + 1's
+    for (; p < npairs; ++p) {
+      ask(p);
+      const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x.xs + 2 * p));
+      for (int r = 0; r < kRows; ++r) {
+        const __m128 d2 = _mm_mul_ps(x2, scales2(ws + r * rs * G + 2 * p));
+        const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), halves);
+        const __m256i s = _mm256_sub_epi32(pair_lanes(p, r), x.bias[p]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
+      }
     }
   }
   for (int r = 0; r < kRows; ++r) out[r * rs] = hsum(acc[r]);
@@ -531,42 +524,30 @@ inline float dot_fp32(const float* a, const float* b, int64_t n) {
 // fp32 [N, G / 8, 2]; a group's scale is d * sc (exact) and its offset 8 d sc - dmin m (rounded
 // once). Q6_K (int8, groups of 16): int8 sc as `scales`, d per 16 groups [N, G / 16, 1], no mins.
 struct KQuant {
+  KQuant() = default;
+  KQuant(const uint8_t* m, const at::Tensor& t) : mins(m), superblocks(t.data_ptr<float>()), tensor(t) {}
   const uint8_t* mins = nullptr;
-  const float* superblocks = nullptr;
-  at::Tensor superblocks_tensor;  // the same [N, G / 8, 2]
+  const float* superblocks = nullptr;  // tensor's data
+  at::Tensor tensor;
 };
 
-// dot_fp32(row n's offsets, gsums, G) without writing the offsets out: each offset 8 d sc - dmin m
-// (every product exact, one rounding: quantization.py's group_offsets), 8 groups (a superblock)
-// a vector, summed in dot_fp32's order: the bits dot_fp32 gives on the offsets in fp32.
+// Row n's Q4_K offsets (8 d sc - dmin m: every product exact, one rounding, as quantization.py's
+// group_offsets forms them) against gsums, summed in group order. Only a build without AVX2 gets
+// here: with it every Q4_K takes the paired path, which adds its offsets in its loop.
 float kquant_offsets_dot(const uint8_t* sc, const KQuant& kq, int64_t n, int64_t G, const float* gsums) {
   const uint8_t* scr = sc + n * G;
   const uint8_t* mr = kq.mins + n * G;
   const float* dd = kq.superblocks + n * (G / 4);
-#ifdef VLLM_QUANT_AVX2
-  const auto bytes8 = [](const uint8_t* b) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
-  };
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; g += 8) {
-    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(dd[g / 4]), bytes8(scr + g));
-    const __m256 off8 = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.f), s8),
-                                      _mm256_mul_ps(_mm256_set1_ps(dd[g / 4 + 1]), bytes8(mr + g)));
-    acc = _mm256_fmadd_ps(off8, _mm256_loadu_ps(gsums + g), acc);
-  }
-  return hsum(acc);
-#else
   float sum = 0.f;
   for (int64_t g = 0; g < G; ++g)
     sum += (8.f * (dd[g / 8 * 2] * static_cast<float>(scr[g])) - dd[g / 8 * 2 + 1] * static_cast<float>(mr[g])) *
            gsums[g];
   return sum;
-#endif
 }
 
 // The fp32 scales d * sc [N, G], for the paths that read fp32 scales.
 at::Tensor kquant_scales(const at::Tensor& sc, const KQuant& kq) {
-  const at::Tensor d = kq.superblocks_tensor.select(2, 0);  // [N, superblocks]
+  const at::Tensor d = kq.tensor.select(2, 0);  // [N, superblocks]
   return d.repeat_interleave(sc.size(1) / d.size(1), 1).mul(sc.to(at::kFloat));
 }
 
@@ -589,9 +570,9 @@ std::vector<float> group_sums(const int8_t* xq, const float* xs, int64_t M, int6
   return sums;
 }
 
-// scale_bytes: the scales of a K-quant (uint8 sub-scales) instead of fp32, bf16 or fp16 ones.
+// byte_scales: a K-quant's sub-scales, which must be of that byte type, instead of fp32, bf16 or fp16 ones.
 void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                  int64_t group, int64_t k_per_row_byte, bool scale_bytes = false) {
+                  int64_t group, int64_t k_per_row_byte, std::optional<at::ScalarType> byte_scales = std::nullopt) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
               "x must be contiguous fp32 or bf16 [M, K]");
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be contiguous 2-D");
@@ -600,12 +581,13 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               " input features per row, x has ", K);
   TORCH_CHECK(group > 0 && K % group == 0, "group (", group, ") must divide K (", K, ")");
   const auto scale_type = scales.scalar_type();
-  const bool typed = scale_bytes ? scale_type == at::kByte || scale_type == at::kChar
+  const bool typed = byte_scales ? scale_type == *byte_scales
                                  : scale_type == at::kFloat || scale_type == at::kBFloat16 || scale_type == at::kHalf;
   TORCH_CHECK(typed && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N &&
                   scales.size(1) == K / group,
-              scale_bytes ? "with superblocks, scales must be contiguous bytes [N, K / group]"
-                          : "scales must be contiguous fp32, bf16 or fp16 [N, K / group]");
+              !byte_scales                ? "scales must be contiguous fp32, bf16 or fp16 [N, K / group]"
+              : *byte_scales == at::kByte ? "with superblocks, int4 scales must be contiguous uint8 [N, K / group]"
+                                          : "with superblocks, int8 scales must be contiguous int8 [N, K / group]");
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
                   out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == N,
               "out must be contiguous fp32 or bf16 [M, N]");
@@ -799,10 +781,9 @@ void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Ten
                     superblocks->is_contiguous() && superblocks->dim() == 3 && superblocks->size(0) == N &&
                     superblocks->size(1) == G / 16 && superblocks->size(2) == 1,
                 "superblocks must be contiguous fp32 [N, K / 256, 1] with groups of 16");
-    TORCH_CHECK(scales.scalar_type() == at::kChar, "with superblocks, int8 scales must be int8 [N, K / 16]");
-    check_inputs(out, x, qweight, scales, group, 1, true);
+    check_inputs(out, x, qweight, scales, group, 1, at::kChar);
     quant_linear<false>(out, x, qweight, scales, group, nullptr,
-                        KQuant{nullptr, superblocks->data_ptr<float>(), *superblocks});
+                        KQuant(nullptr, *superblocks));
     return;
   }
   check_inputs(out, x, qweight, scales, group, 1);
@@ -816,8 +797,7 @@ void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Ten
   TORCH_CHECK(group % kBlock == 0, "int4 group (", group, ") must be a multiple of 32");
   const int64_t N = qweight.size(0), G = x.size(1) / group;
   if (superblocks.has_value()) {  // GGUF Q4_K: sc and m as bytes, d and dmin per 8 groups
-    TORCH_CHECK(scales.scalar_type() == at::kByte, "with superblocks, int4 scales must be uint8 [N, K / 32]");
-    check_inputs(out, x, qweight, scales, group, 2, true);
+    check_inputs(out, x, qweight, scales, group, 2, at::kByte);
     TORCH_CHECK(group == kBlock && G % 8 == 0 && superblocks->scalar_type() == at::kFloat &&
                     superblocks->is_contiguous() && superblocks->dim() == 3 && superblocks->size(0) == N &&
                     superblocks->size(1) == G / 8 && superblocks->size(2) == 2,
@@ -826,7 +806,7 @@ void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Ten
                     offsets->sizes() == scales.sizes(),
                 "with superblocks, offsets must be contiguous uint8 [N, K / group]");
     quant_linear<true>(out, x, qweight, scales, group, nullptr,
-                       KQuant{offsets->data_ptr<uint8_t>(), superblocks->data_ptr<float>(), *superblocks});
+                       KQuant(offsets->data_ptr<uint8_t>(), *superblocks));
     return;
   }
   check_inputs(out, x, qweight, scales, group, 2);

@@ -176,6 +176,10 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, device: str, lora_re
                 parts["other model"] = parts["model"] - parts["linears"] - parts["attention"]
                 for part, seconds in parts.items():
                     split.setdefault(part, []).append(seconds)
+    if not times:
+        raise ValueError(f"no decode step left to time: a {context}-token context plus {params.max_tokens} new tokens "
+                         f"must fit max_model_len ({engine.model_config.max_model_len}); pass a shorter "
+                         "--decode-context")
     return median(times)
 
 

@@ -133,3 +133,17 @@ def test_alora_on_attention_matches_peft(base, gpt_oss_adapters, tokenizer):
     peft = load_peft_model(base, adapter)
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3 + INVOCATION)
     check_against_reference(generate_one(llm, ids, LoRARequest("gpt_oss_alora", 1, adapter)), hf_greedy(peft, ids, 10))
+
+
+def test_config_without_swiglu_fields_takes_the_released_values(base):
+    """transformers 5.17's GptOssConfig has no `swiglu_alpha`/`swiglu_limit` (its model hard-codes
+    1.702 and 7.0): such a config loads with those values; a config that has them is honoured."""
+    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+    config = hf_config(base)
+    assert GptOssForCausalLM.moe_options(config).activation.limit == config.swiglu_limit == 3.0
+    for field in ("swiglu_alpha", "swiglu_limit"):
+        if hasattr(config, field):
+            delattr(config, field)
+    activation = GptOssForCausalLM.moe_options(config).activation
+    assert (activation.kind, activation.alpha, activation.limit) == ("swiglu_clamped", 1.702, 7.0)

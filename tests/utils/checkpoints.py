@@ -180,8 +180,12 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides) 
 
 
 def load_hf_model(path: str):
-    """The transformers reference model for a checkpoint (fp32, eval mode)."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    """The transformers reference model for a checkpoint (fp32, eval mode).
+
+    Eager attention: it is the implementation every architecture defines in full. Older
+    transformers (5.17) picked SDPA for Gemma 2, which drops its attention-logit soft cap.
+    """
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def hf_config(path: str):

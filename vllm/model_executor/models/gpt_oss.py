@@ -55,6 +55,14 @@ def convert_expert_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _clamped_swiglu(config: Any) -> ExpertActivation:
+    """gpt-oss's activation; configs from transformers before `swiglu_alpha` was a field (5.17
+    hard-codes it in the model) fall back to the released model's values, the dataclass defaults."""
+    default = ExpertActivation("swiglu_clamped")
+    return replace(default, alpha=getattr(config, "swiglu_alpha", default.alpha),
+                   limit=getattr(config, "swiglu_limit", default.limit))
+
+
 class GptOssForCausalLM(MoEForCausalLM, LlamaForCausalLM):
     checkpoint_renames = ((".mlp.router.", ".mlp.gate."),)
     # Appended to the loader's refusal of quantized checkpoints (model_loader.check_not_prequantized).
@@ -75,7 +83,7 @@ class GptOssForCausalLM(MoEForCausalLM, LlamaForCausalLM):
             scoring="topk_softmax",
             router_bias=True,
             expert_bias=True,
-            activation=ExpertActivation("swiglu_clamped", alpha=config.swiglu_alpha, limit=config.swiglu_limit),
+            activation=_clamped_swiglu(config),
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -93,9 +93,9 @@ def test_one_call_per_run_of_native_layers_and_step(tmp_path, tokenizer, monkeyp
 
 def test_a_stack_refuses_arguments_that_are_not_whole_layers():
     assert decode_layer.native_available()
-    weights = [torch.ones(1)] * 16
-    with pytest.raises(RuntimeError, match="expected 16 weights, 12 ints and 4 floats per layer, got 16, 11 and 4"):
-        torch.classes.vllm_layer.DecodeStack(weights, [0] * 11, [0.0] * 4)
+    weights = [torch.ones(1)] * 39
+    with pytest.raises(RuntimeError, match="expected 39 weights, 18 ints and 4 floats per layer, got 39, 17 and 4"):
+        torch.classes.vllm_layer.DecodeStack(weights, [0] * 17, [0.0] * 4)
 
 
 def test_prefills_and_long_chunks_stay_python(llama_dir, tokenizer, monkeypatch):

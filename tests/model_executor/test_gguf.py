@@ -87,7 +87,7 @@ def hf_dirs(tmp_path_factory):
 def gguf_files(hf_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     files = {kind: write_gguf(hf_dirs["llama"], str(root / f"llama-{kind}.gguf"), pick) for kind, pick in FILES.items()}
-    for kind in ("F32", "Q8_0"):
+    for kind in ("F32", "Q8_0", "Q4_K_M"):  # Q4_K_M: q/k/v biases over slices of mixed formats
         files[f"qwen2-{kind}"] = write_gguf(hf_dirs["qwen2"], str(root / f"qwen2-{kind}.gguf"), FILES[kind])
     return files
 
@@ -194,17 +194,17 @@ def test_engine_on_a_gguf_file_matches_transformers(kind, gguf_files):
 
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K_M", "qwen2-Q8_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K_M", "qwen2-Q8_0", "qwen2-Q4_K_M"])
 def test_slices_of_one_format_are_stacked_and_decode_natively(kind, gguf_files):
     """A file stores q/k/v and gate/up apart; slices of one format become one weight (one kernel
     call, the same values as the slices side by side, bit for bit) and a decoder layer of such
     linears runs as one native call, Q4_K's included. Q4_K_M's layer 0 mixes Q6_K into q/k/v:
-    kept per slice, run by the Python layer."""
+    kept per slice, which the native layer takes as slices too."""
     model = engine_model(LLM(gguf_files[kind], max_model_len=128, dtype="float32"))
     gen = torch.Generator().manual_seed(1)
     for name, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, Linear)):
         stored = layer.quantized_weights()
-        mixed = kind == "Q4_K_M" and name == "model.layers.0.self_attn.qkv_proj"
+        mixed = kind.endswith("Q4_K_M") and name == "model.layers.0.self_attn.qkv_proj"
         assert len(stored) == (3 if mixed else 1), name
         if mixed or len(layer.output_sizes) == 1:
             continue
@@ -216,9 +216,8 @@ def test_slices_of_one_format_are_stacked_and_decode_natively(kind, gguf_files):
         if layer.bias is not None:
             expected += layer.bias
         assert torch.equal(layer(x), expected), name
-    natives = [layer._native_decode_layer() is not None for layer in model.model.layers]
-    # Q4_K's offsets go into the int4 kernel too; only Q4_K_M's layer 0 (q/k/v kept apart) runs Python.
-    assert natives == [not (kind == "Q4_K_M" and i == 0) for i in range(len(natives))]
+    # Q4_K's offsets go into the int4 kernel too, and Q4_K_M's layer 0 passes q/k/v as slices.
+    assert all(layer._native_decode_layer() is not None for layer in model.model.layers)
 
 
 
@@ -236,13 +235,27 @@ def test_auto_dtype_takes_a_16_bit_file_as_a_16_bit_checkpoint(qtype, stored, hf
 
 
 
-@pytest.mark.parametrize(("kind", "dtype"), [("Q4_K_M", "float32"), ("Q4_K_M", "bfloat16"), ("Q4_0", "float32")])
+@pytest.mark.parametrize(("kind", "dtype"), [("Q4_K_M", "float32"), ("Q4_K_M", "bfloat16"), ("Q4_0", "float32"),
+                                           ("qwen2-Q4_K_M", "float32"), ("qwen2-Q4_K_M", "bfloat16")])
 def test_gguf_layers_decode_natively_with_the_python_layers_bits(kind, dtype, gguf_files, tokenizer, monkeypatch):
-    """Q4_K's offsets in the int4 kernel: the native layers give the Python layers' tokens and
-    logprobs bit for bit (both call the same kernel), with batched decode steps."""
+    """Q4_K's offsets in the int4 kernel, q/k/v of mixed formats as slices (with Qwen2's biases
+    added after them): the native layers give the Python layers' tokens and logprobs bit for bit
+    (both call the same kernels), with batched decode steps (a slice's columns through a buffer)
+    and with one row (written in place)."""
     calls = _count_calls(monkeypatch)
-    native, python = _both_paths(LLM(gguf_files[kind], max_model_len=128, dtype=dtype), tokenizer)
+    llm = LLM(gguf_files[kind], max_model_len=128, dtype=dtype)
+    native, python = _both_paths(llm, tokenizer)
     assert 3 in calls and native == python
+    calls.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    one = [{"prompt_token_ids": tokenizer.encode("the native layer takes one row")}]
+    outputs = []
+    for allowed in (True, True, False):  # the first run fills the prefix cache the other two read alike
+        for layer in engine_model(llm).model.layers:
+            layer.native_decode_allowed = allowed
+        (out,) = llm.generate(one, params, use_tqdm=False)
+        outputs.append((out.outputs[0].token_ids, [sorted(lp.items()) for lp in out.outputs[0].logprobs]))
+    assert 1 in calls and outputs[1] == outputs[2]
 
 
 def test_stacking_refuses_slices_that_differ():

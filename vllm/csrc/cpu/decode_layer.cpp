@@ -26,13 +26,19 @@
  *   or int8 / int4 (quantization.py's quantized_linear, GGUF Q4_K's offsets included), bias
  *   included.
  *
- * A layer's arguments: weights = [input_norm, post_norm, cos, sin, then per linear (qkv, o,
- * gate_up, down) its weight (dense) or qweight, its scales (quantized; empty otherwise), its bias
- * (or empty), its offsets (GGUF Q4_K) and superblocks (GGUF Q4_K, Q6_K), empty otherwise]; ints = [H, Hkv, D,
- * sliding_window, then per linear its kind (0 dense, 8 int8, 4 int4) and group (dense: the rows
- * above which the vdpbf16ps kernel runs, 0 for never)]; floats = [input eps, post eps, attention
- * scale, residual multiplier]. A DecodeStack holds them concatenated, layer after layer. The
- * kernels check their own inputs.
+ * A fused linear whose quantized slices differ in format (a GGUF file's q/k/v or gate/up in mixed
+ * types: llama.cpp's Q4_K_M gives attn_v Q6_K and attn_q/k Q4_K in half the layers) is up to three
+ * slices, each its own product written into its columns, the bias (if any) added after in the
+ * output's dtype: quantized Linear's forward for slices (torch.cat of the products, then add_).
+ *
+ * A layer's arguments: weights = [input_norm, post_norm, cos, sin, then per slot (qkv's three, o,
+ * gate_up's two, down; kSlots) its weight (dense) or qweight, its scales (quantized; empty
+ * otherwise), its bias (or empty; a sliced linear's whole bias in its first slot), its offsets
+ * (GGUF Q4_K) and superblocks (GGUF Q4_K, Q6_K), empty otherwise]; ints = [H, Hkv, D,
+ * sliding_window, then per slot its kind (0 dense, 8 int8, 4 int4, -1 unused) and group (dense:
+ * the rows above which the vdpbf16ps kernel runs, 0 for never)]; floats = [input eps, post eps,
+ * attention scale, residual multiplier]. A DecodeStack holds them concatenated, layer after layer.
+ * The kernels check their own inputs.
  */
 
 #include <ATen/ATen.h>
@@ -91,7 +97,7 @@ VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
 void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                  const at::Tensor& bias, const at::Tensor& offsets, const at::Tensor& superblocks, int64_t kind,
                  int64_t group) {
-  const bool has_bias = bias.numel() > 0;
+  const bool has_bias = bias.defined() && bias.numel() > 0;
   if (kind == 0 && group > 0 && x.size(0) > group && x.scalar_type() == at::kBFloat16) {
     OptTensor b;  // bf16_dot_linear as dense_gemv.py calls it: a bf16 bias
     if (has_bias) b = bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() ? bias : bias.to(at::kBFloat16).contiguous();
@@ -124,7 +130,49 @@ void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
   if (!fp32) out.copy_(of);
 }
 
-constexpr size_t kWeights = 24, kInts = 12, kFloats = 4;  // one layer's arguments
+// Slots of the four linears (qkv, o, gate_up, down): a fused linear may come as slices.
+constexpr int64_t kSlots = 7, kTensorsPerSlot = 5;
+constexpr int64_t kFirstSlot[5] = {0, 3, 4, 6, kSlots};  // linear i's slots: [kFirstSlot[i], kFirstSlot[i + 1])
+constexpr size_t kWeights = 4 + kSlots * kTensorsPerSlot, kInts = 4 + 2 * kSlots, kFloats = 4;  // one layer's
+
+// Output features of linear i: the rows of its used slots.
+int64_t linear_rows(at::TensorList weights, at::IntArrayRef ints, int i) {
+  int64_t rows = 0;
+  for (int64_t s = kFirstSlot[i]; s < kFirstSlot[i + 1]; ++s)
+    if (ints[4 + 2 * s] >= 0) rows += weights[4 + kTensorsPerSlot * s].size(0);
+  return rows;
+}
+
+// Linear i of a layer into out [rows, N]: one slot as linear_into; several, each slot's product
+// into its columns (through a buffer where those columns are not contiguous: more than one row),
+// then the bias in out's dtype.
+void linear_slots(const at::Tensor& out, const at::Tensor& x, at::TensorList weights, at::IntArrayRef ints, int i) {
+  const auto call = [&](const at::Tensor& o, int64_t s, bool with_bias) {
+    const int64_t k = 4 + kTensorsPerSlot * s;
+    linear_into(o, x, weights[k], weights[k + 1], with_bias ? weights[k + 2] : at::Tensor(), weights[k + 3],
+                weights[k + 4], ints[4 + 2 * s], ints[5 + 2 * s]);
+  };
+  const int64_t first = kFirstSlot[i];
+  if (kFirstSlot[i + 1] - first == 1 || ints[4 + 2 * (first + 1)] < 0) {
+    call(out, first, true);
+    return;
+  }
+  int64_t col = 0;
+  for (int64_t s = first; s < kFirstSlot[i + 1] && ints[4 + 2 * s] >= 0; ++s) {
+    const int64_t cols = weights[4 + kTensorsPerSlot * s].size(0);
+    at::Tensor part = out.narrow(1, col, cols);
+    if (part.is_contiguous()) {
+      call(part, s, false);
+    } else {
+      const at::Tensor buffer = at::empty({out.size(0), cols}, out.options());
+      call(buffer, s, false);
+      part.copy_(buffer);
+    }
+    col += cols;
+  }
+  const at::Tensor& bias = weights[4 + kTensorsPerSlot * first + 2];
+  if (bias.numel() > 0) out.add_(bias);
+}
 
 // What every layer of a step shares: the positions as int64 and the metadata, contiguous.
 struct Step {
@@ -167,7 +215,7 @@ struct Workspace {
 // Layer l's Workspace: the previous layer's where the shapes match, else a new one.
 Workspace& workspace_for(std::optional<Workspace>& ws, const at::Tensor& hidden, at::TensorList weights,
                          at::IntArrayRef ints) {
-  const auto rows = [&](int i) { return weights[4 + 5 * i].size(0); };  // output features of linear i
+  const auto rows = [&](int i) { return linear_rows(weights, ints, i); };
   const std::vector<int64_t> key{hidden.size(0), ints[0], ints[1], ints[2], rows(0), rows(1), rows(2), rows(3)};
   if (!ws || ws->key != key || ws->h.scalar_type() != hidden.scalar_type())
     ws.emplace(hidden, ints[0], ints[1], ints[2], rows(0), rows(1), rows(2), rows(3));
@@ -178,11 +226,7 @@ Workspace& workspace_for(std::optional<Workspace>& ws, const at::Tensor& hidden,
 void decode_layer(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& kv_cache, const Step& step,
                   at::TensorList weights, at::IntArrayRef ints, at::ArrayRef<double> floats, Workspace& w) {
   const int64_t window = ints[3], n = hidden.size(0);
-  const auto lin = [&](const at::Tensor& out, const at::Tensor& x, int i) {
-    const int64_t k = 4 + 5 * i;
-    linear_into(out, x, weights[k], weights[k + 1], weights[k + 2], weights[k + 3], weights[k + 4], ints[4 + 2 * i],
-                ints[5 + 2 * i]);
-  };
+  const auto lin = [&](const at::Tensor& out, const at::Tensor& x, int i) { linear_slots(out, x, weights, ints, i); };
 
   add_norm_op().call(w.h, hidden, residual, weights[0], floats[0]);  // hidden <- hidden + residual
   lin(w.qkv, w.h, 0);                                                  // [n, (H + 2 Hkv) D]
@@ -215,7 +259,7 @@ struct DecodeStack : torch::CustomClassHolder {
     const size_t layers = ints.size() / kInts;
     TORCH_CHECK(layers > 0 && weights.size() == layers * kWeights && ints.size() == layers * kInts &&
                     floats.size() == layers * kFloats,
-                "DecodeStack: expected 16 weights, 12 ints and 4 floats per layer, got ", weights.size(), ", ",
+                "DecodeStack: expected ", kWeights, " weights, ", kInts, " ints and ", kFloats, " floats per layer, got ", weights.size(), ", ",
                 ints.size(), " and ", floats.size());
   }
 

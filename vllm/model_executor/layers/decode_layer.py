@@ -12,8 +12,9 @@ per step for its whole run):
     attention sinks or soft cap (a sliding window is fine), LlamaMLP with SiLU, the native CPU
     attention and KV store (Granite's residual and attention multipliers are fine);
   - its four linears `Linear`s, or LoRA wrappers of them (lora/layers.py), without a
-    tensor-parallel shard, each dense (fp32 / bf16, row-major) or one quantized int8 / int4
-    weight (GGUF Q4_K's offsets included; a fused layer of GGUF slices in mixed formats is not one);
+    tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 (GGUF
+    Q4_K's offsets included), as one weight or, for qkv and gate_up, as the slices a GGUF file's
+    mixed formats leave (one product per slice, then the bias, as Linear's forward does);
   - its `native_decode_allowed` (True unless a test or benchmark turns the native path off);
   - per step: no more rows than each of its linears takes natively (dense_gemv.layer_rows: the
     GEMV's rows, and bf16 rows up to 16 where the vdpbf16ps kernel runs; quantization.NATIVE_MAX_ROWS)
@@ -47,6 +48,7 @@ from vllm.model_executor.layers.rotary import RotaryEmbedding
 
 _SOURCE, _WHAT = "decode_layer.cpp", "CPU decoder-layer kernel"
 _KINDS = {"int8": 8, "int4": 4}  # a dense weight is kind 0
+_SLOTS = (3, 1, 2, 1)  # the kernel's slots for qkv, o, gate_up and down (kSlots in decode_layer.cpp)
 _EMPTY = torch.empty(0)
 
 
@@ -54,27 +56,35 @@ def native_available() -> bool:
     return native_build.unavailable_reason(_SOURCE, _WHAT) is None
 
 
-def _linear_args(linear) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
-    """([weight or qweight, scales, bias, offsets, superblocks], [kind, group], rows it runs natively)
-    for the kernel, or None if it does not qualify. A dense weight's second int is not a group: the
-    rows above which the layer runs the vdpbf16ps kernel instead of the GEMV (0: never), as
+def _linear_args(linear, slots: int) -> Optional[tuple[list[torch.Tensor], list[int], int]]:
+    """(per slot [weight or qweight, scales, bias, offsets, superblocks], per slot [kind, group], rows
+    it runs natively) for the kernel's `slots` slots of this linear, or None if it does not qualify.
+    A quantized linear kept as slices (GGUF slices of mixed formats) fills one slot per slice, its
+    bias in the first; unused slots are empty, kind -1. A dense weight's second int is not a group:
+    the rows above which the layer runs the vdpbf16ps kernel instead of the GEMV (0: never), as
     dense_linear does."""
     if type(linear) is LinearWithLoRA:  # its base layer's product, on steps without adapters
         linear = linear.base_layer
     if type(linear) is not Linear or linear.shard is not None or linear._packed is not None:
         return None
     bias = _EMPTY if linear.bias is None else linear.bias
+    unused = (slots - 1) * [_EMPTY] * 5, (slots - 1) * [-1, 0]
     if not linear._quantized:
         weight = linear.weight
         if weight.dtype not in dense_gemv.WEIGHT_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
             return None
         rows, dot_above = dense_gemv.layer_rows(weight)
-        return [weight, _EMPTY, bias, _EMPTY, _EMPTY], [0, dot_above], rows
-    if len(linear._quantized) != 1 or not quantization.native_available():
+        return [weight, _EMPTY, bias, _EMPTY, _EMPTY, *unused[0]], [0, dot_above, *unused[1]], rows
+    quantized = linear._quantized
+    if len(quantized) > slots or any(q is None for q in quantized) or not quantization.native_available():
         return None
-    q = linear._quantized[0]
-    optional = [_EMPTY if t is None else t for t in (q.offsets, q.superblocks)]
-    return [q.qweight, q.scales, bias, *optional], [_KINDS[q.method], q.group], quantization.NATIVE_MAX_ROWS
+    tensors, ints = [], []
+    for i, q in enumerate(quantized):
+        optional = [_EMPTY if t is None else t for t in (q.offsets, q.superblocks)]
+        tensors += [q.qweight, q.scales, bias if i == 0 else _EMPTY, *optional]
+        ints += [_KINDS[q.method], q.group]
+    free = slots - len(quantized)
+    return tensors + free * [_EMPTY] * 5, ints + free * [-1, 0], quantization.NATIVE_MAX_ROWS
 
 
 class NativeDecodeLayer:
@@ -103,7 +113,8 @@ class NativeDecodeLayer:
                  and type(mlp) is LlamaMLP and mlp.act is F.silu)
         if not plain or envs.VLLM_USE_TORCH_REFERENCE_OPS or not dense_gemv.native_available():
             return None
-        linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = [_linear_args(m, slots) for m, slots in zip((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                mlp.down_proj), _SLOTS)]
         if any(args is None for args in linears) or not native_available():
             return None
         rotary = attn.rotary_emb

@@ -13,45 +13,7 @@ from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers import decode_layer, dense_gemv
 from tests.utils.adapters import make_adapter
-
-PROMPTS = ["What is the capital of France?", "one two three four five six seven eight nine ten eleven twelve",
-           "hello"]
-
-
-def _layers(llm: LLM) -> list:
-    model = llm.llm_engine.engine_core.runner.model
-    return [m for m in model.modules() if hasattr(m, "native_decode_allowed")]
-
-
-def _count_calls(monkeypatch) -> list[int]:
-    """The rows of every native call (one per run of layers and step)."""
-    calls = []
-    real = decode_layer.NativeDecodeStack.__call__
-
-    def counting(self, positions, hidden, *args):
-        calls.append(hidden.shape[0])
-        return real(self, positions, hidden, *args)
-
-    monkeypatch.setattr(decode_layer.NativeDecodeStack, "__call__", counting)
-    return calls
-
-
-def _run(llm: LLM, tokenizer, lora=None) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
-    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)  # three rows per decode step
-    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outputs]
-
-
-def _both_paths(llm: LLM, tokenizer, lora=None):
-    native = _run(llm, tokenizer, lora)
-    for layer in _layers(llm):
-        layer.native_decode_allowed = False
-    python = _run(llm, tokenizer, lora)
-    for layer in _layers(llm):
-        layer.native_decode_allowed = True
-    return native, python
+from tests.utils.native_layers import both_paths, count_native_calls, greedy_run, native_layers
 
 
 @pytest.mark.parametrize(("arch", "engine"), [
@@ -65,10 +27,10 @@ def _both_paths(llm: LLM, tokenizer, lora=None):
     ("mistral_window", dict(dtype="float32")),  # a sliding window shorter than the prompts
 ])
 def test_native_layers_give_the_python_layers_bits(arch, engine, checkpoints, tokenizer, monkeypatch):
-    calls = _count_calls(monkeypatch)
+    calls = count_native_calls(monkeypatch)
     llm = LLM(checkpoints[arch], max_model_len=128, **engine)
-    native, python = _both_paths(llm, tokenizer)
-    layers = _layers(llm)
+    native, python = both_paths(llm, tokenizer)
+    layers = native_layers(llm)
     assert all(layer._native_decode is not None for layer in layers)  # the first with a zero residual
     assert calls and max(calls) <= layers[1]._native_decode.max_rows and 3 in calls  # batched decodes ran natively
     assert native == python  # tokens and logprobs, bit for bit
@@ -81,11 +43,11 @@ def test_one_call_per_run_of_native_layers_and_step(tmp_path, tokenizer, monkeyp
     from tests.utils.checkpoints import make_checkpoint
 
     path = make_checkpoint(str(tmp_path / "llama5"), "llama", num_hidden_layers=5)
-    calls = _count_calls(monkeypatch)
+    calls = count_native_calls(monkeypatch)
     llm = LLM(path, max_model_len=128, dtype="float32")
-    layers = _layers(llm)
+    layers = native_layers(llm)
     layers[2]._native_decode, layers[2]._native_decode_built = None, True  # before the first forward
-    native, python = _both_paths(llm, tokenizer)
+    native, python = both_paths(llm, tokenizer)
     runs = llm.llm_engine.engine_core.runner.model.model._native_runs
     assert {start: stack.layers for start, stack in runs.items()} == {0: layers[0:2], 3: layers[3:5]}
     assert calls and len(calls) % 2 == 0 and native == python
@@ -99,7 +61,7 @@ def test_a_stack_refuses_arguments_that_are_not_whole_layers():
 
 
 def test_prefills_and_long_chunks_stay_python(llama_dir, tokenizer, monkeypatch):
-    calls = _count_calls(monkeypatch)
+    calls = count_native_calls(monkeypatch)
     llm = LLM(llama_dir, max_model_len=128, dtype="float32")
     prompt = tokenizer.encode("one two three four five six seven eight nine ten " * 3)
     assert len(prompt) > dense_gemv.NATIVE_MAX_ROWS
@@ -110,13 +72,13 @@ def test_prefills_and_long_chunks_stay_python(llama_dir, tokenizer, monkeypatch)
 def test_a_layer_takes_no_more_rows_than_its_linears(llama_dir, tokenizer, monkeypatch):
     """Past the rows a linear runs natively (dense_gemv.native_max_rows) the Python layer's product
     comes from another matmul, so the native layer leaves those steps to it (three rows a step here)."""
-    calls = _count_calls(monkeypatch)
+    calls = count_native_calls(monkeypatch)
     for limit, native_steps in ((3, True), (2, False)):
         monkeypatch.setattr(dense_gemv, "native_max_rows", lambda dtype, limit=limit: limit)
         llm = LLM(llama_dir, max_model_len=128, dtype="float32")
         calls.clear()
-        native, python = _both_paths(llm, tokenizer)
-        assert all(layer._native_decode.max_rows == limit for layer in _layers(llm))
+        native, python = both_paths(llm, tokenizer)
+        assert all(layer._native_decode.max_rows == limit for layer in native_layers(llm))
         assert bool(calls) == native_steps and native == python
         del llm
 
@@ -127,24 +89,24 @@ def test_bf16_rows_past_the_gemv_run_the_dot_kernel_natively(llama_dir, tokenize
     the Python layers do: bit for bit."""
     if not dense_gemv.bf16_dot_available():
         pytest.skip("the vdpbf16ps kernel needs AVX512-BF16")
-    calls = _count_calls(monkeypatch)
+    calls = count_native_calls(monkeypatch)
     llm = LLM(llama_dir, max_model_len=128, dtype="bfloat16")
     assert dense_gemv.native_max_rows(torch.bfloat16) < 3  # the three-row steps are past the GEMV
     with torch.profiler.profile() as prof:
-        native = _run(llm, tokenizer)
+        native = greedy_run(llm, tokenizer)
     dot_calls = sum(e.count for e in prof.key_averages() if e.key == "vllm_bf16_dot::bf16_dot_linear")
-    layers = len(_layers(llm))
+    layers = len(native_layers(llm))
     assert calls.count(3) > 0 and dot_calls >= 4 * layers * calls.count(3)  # four linears a layer
-    native_again, python = _both_paths(llm, tokenizer)
+    native_again, python = both_paths(llm, tokenizer)
     assert native == native_again == python
 
 
 @pytest.mark.parametrize("arch", ["gemma", "qwen3"])  # Gemma's norm and GeGLU; Qwen3's q/k norms
 def test_layers_outside_the_plain_form_stay_python(arch, checkpoints, tokenizer, monkeypatch):
-    calls = _count_calls(monkeypatch)
+    calls = count_native_calls(monkeypatch)
     llm = LLM(checkpoints[arch], max_model_len=128, dtype="float32")
-    _run(llm, tokenizer)
-    assert calls == [] and all(layer._native_decode is None for layer in _layers(llm))
+    greedy_run(llm, tokenizer)
+    assert calls == [] and all(layer._native_decode is None for layer in native_layers(llm))
 
 
 def test_with_lora_on_base_steps_run_natively_and_adapter_steps_in_python(llama_dir, tokenizer, tmp_path,
@@ -152,25 +114,25 @@ def test_with_lora_on_base_steps_run_natively_and_adapter_steps_in_python(llama_
     """With --enable-lora the Linears are LoRA wrappers: a step without adapter rows adds nothing to
     their base products and runs natively; a step with one must not bypass the adapter."""
     adapter = make_adapter(llama_dir, str(tmp_path / "lora"), ["q_proj", "v_proj", "down_proj"], r=8, seed=3)
-    calls = _count_calls(monkeypatch)
+    calls = count_native_calls(monkeypatch)
     llm = LLM(llama_dir, max_model_len=128, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
-    native, python = _both_paths(llm, tokenizer)
+    native, python = both_paths(llm, tokenizer)
     assert calls and native == python
     calls.clear()
     lora = LoRARequest("lora", 1, adapter)
-    native, python = _both_paths(llm, tokenizer, lora)
+    native, python = both_paths(llm, tokenizer, lora)
     assert calls == [] and native == python
     monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
     reference = LLM(llama_dir, max_model_len=128, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
-    assert [t for t, _ in _run(reference, tokenizer, lora)] == [t for t, _ in native]
+    assert [t for t, _ in greedy_run(reference, tokenizer, lora)] == [t for t, _ in native]
 
 
 def test_reference_ops_turn_it_off(llama_dir, tokenizer, monkeypatch):
     monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
-    calls = _count_calls(monkeypatch)
+    calls = count_native_calls(monkeypatch)
     llm = LLM(llama_dir, max_model_len=128, dtype="float32")
-    _run(llm, tokenizer)
-    assert calls == [] and all(layer._native_decode is None for layer in _layers(llm))
+    greedy_run(llm, tokenizer)
+    assert calls == [] and all(layer._native_decode is None for layer in native_layers(llm))
 
 
 def test_kernel_builds_here():

@@ -30,10 +30,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import INVOCATION
 from tests.lora.conftest import MAX_NEW, check_against_reference, generate_one
-from tests.model_executor.test_decode_layer import _both_paths, _count_calls
 from tests.utils.adapters import ALL_LINEAR, make_adapter
 from tests.utils.checkpoints import load_hf_model, make_checkpoint
 from tests.utils.gguf_files import encode, write_gguf
+from tests.utils.native_layers import allow_native, both_paths, count_native_calls, greedy_run
 from tests.utils.reference import hf_greedy, hf_prompt_logprobs
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
@@ -242,20 +242,17 @@ def test_gguf_layers_decode_natively_with_the_python_layers_bits(kind, dtype, gg
     added after them): the native layers give the Python layers' tokens and logprobs bit for bit
     (both call the same kernels), with batched decode steps (a slice's columns through a buffer)
     and with one row (written in place)."""
-    calls = _count_calls(monkeypatch)
+    calls = count_native_calls(monkeypatch)
     llm = LLM(gguf_files[kind], max_model_len=128, dtype=dtype)
-    native, python = _both_paths(llm, tokenizer)
+    native, python = both_paths(llm, tokenizer)
     assert 3 in calls and native == python
     calls.clear()
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    one = [{"prompt_token_ids": tokenizer.encode("the native layer takes one row")}]
-    outputs = []
-    for allowed in (True, True, False):  # the first run fills the prefix cache the other two read alike
-        for layer in engine_model(llm).model.layers:
-            layer.native_decode_allowed = allowed
-        (out,) = llm.generate(one, params, use_tqdm=False)
-        outputs.append((out.outputs[0].token_ids, [sorted(lp.items()) for lp in out.outputs[0].logprobs]))
-    assert 1 in calls and outputs[1] == outputs[2]
+    one = ["the native layer takes one row"]
+    greedy_run(llm, tokenizer, prompts=one)  # fills the prefix cache the two runs below read alike
+    native = greedy_run(llm, tokenizer, prompts=one)
+    allow_native(llm, False)
+    python = greedy_run(llm, tokenizer, prompts=one)
+    assert 1 in calls and native == python
 
 
 def test_stacking_refuses_slices_that_differ():

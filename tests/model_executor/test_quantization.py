@@ -231,6 +231,23 @@ def test_int8_kernel_reads_q6_k_in_its_two_level_form(k, rows):
         torch.ops.vllm_quant.linear_int8(out, x, weight.qweight, weight.scales, 32, weight.superblocks)
 
 
+# int8 in groups of 32 (GGUF Q8_0's fp16 d) and in groups of 64: dot_blocks reads the scales as
+# stored; 8192 features: rows long enough that one row of x asks each row's stream ahead.
+@pytest.mark.parametrize(("k", "group"), [(576, 32), (8192, 32), (576, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_kernel_reads_scales_as_stored(dtype, k, group, rows):
+    """fp16 / bf16 scales give bit for bit what their fp32 values give, and the reference."""
+    gen = torch.Generator().manual_seed(k + rows + group)
+    weight = _weight("int8", 37, k, group, gen)
+    stored = q.QuantizedWeight("int8", weight.qweight, weight.scales.to(dtype), group, k)
+    widened = q.QuantizedWeight("int8", weight.qweight, stored.scales.float(), group, k)
+    x = torch.randn(rows, k, generator=gen)
+    out = q.quantized_linear(x, stored, None)
+    assert torch.equal(out, q.quantized_linear(x, widened, None))
+    _check_kernel(out, x, stored)
+
+
 # The paired path reads them as stored (2048: rows long enough that one row of x asks each row's
 # stream ahead); 3 blocks: an fp32 copy.
 @pytest.mark.parametrize("k", [576, 2048, 96])

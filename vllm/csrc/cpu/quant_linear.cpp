@@ -47,8 +47,9 @@
  * reduced to their eight blocks' sums and scaled at once by the blocks' x and weight scales:
  * 1.5-2.5x the per-block path's speed, 15-19 GB/s of weights on one Zen 3 thread. It reads the
  * scales as stored, fp32, bf16 (int4 quantized at load) or fp16 (GGUF Q4_0's): 4-8% faster than
- * fp32 scales on cold megabyte-sized matrices, 10% fewer bytes; the other paths read
- * half-precision scales from an fp32 copy made per call. For one row of x, tiles of both paths
+ * fp32 scales on cold megabyte-sized matrices, 10% fewer bytes; so does the per-block path
+ * (GGUF Q8_0's fp16 d); only the scalar path and K-quant scales outside their own loops read an
+ * fp32 copy made per call. For one row of x, tiles of both paths
  * take rows spread over the task's range, each its own stream for the hardware prefetchers; for
  * several, paired int4 tiles are neighbouring rows asked into L2 8 KB ahead by software prefetch
  * (see the work split and quant_linear's comments).
@@ -629,9 +630,6 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 #else
   const bool paired = false;
 #endif
-  // bf16 scales (int4 quantized at load) and fp16 ones (GGUF Q4_0's d) are read as stored by the
-  // paired path; the other paths read an fp32 copy (shapes int4 rarely has: an odd number of
-  // blocks).
 #ifdef VLLM_QUANT_AVX2
   const bool q6_in_loop = !kInt4 && kq.superblocks != nullptr;  // dot_blocks forms Q6_K's d * sc itself
 #else

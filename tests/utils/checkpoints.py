@@ -180,12 +180,12 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides) 
 
 
 def load_hf_model(path: str):
-    """The transformers reference model for a checkpoint (fp32, eval mode).
-
-    Eager attention: it is the implementation every architecture defines in full. Older
-    transformers (5.17) picked SDPA for Gemma 2, which drops its attention-logit soft cap.
-    """
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    """The transformers reference model for a checkpoint (fp32, eval mode), in transformers' default
+    attention but for an attention-logit soft cap (Gemma 2): eager attention, the implementation
+    that applies it (transformers 5.17 picked SDPA for Gemma 2 and dropped the cap)."""
+    soft_cap = getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None)
+    kwargs = {"attn_implementation": "eager"} if soft_cap else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
 def hf_config(path: str):

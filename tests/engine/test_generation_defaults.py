@@ -10,7 +10,9 @@ import shutil
 import pytest
 
 from tests.entrypoints.utils import RemoteOpenAIServer
+from tests.utils.logs import logged_messages
 from vllm import LLM, SamplingParams
+from vllm.engine.llm_engine import _producible_stop_ids
 from vllm.sampling_defaults import load_sampling_defaults
 
 CREATOR = {"temperature": 0.0, "top_k": 5, "top_p": 0.9, "max_new_tokens": 7, "do_sample": True, "num_beams": 1}
@@ -72,3 +74,23 @@ def test_server_fills_only_unset_fields(model_dir):
         completion = client.completions.create(model=model_dir, prompt="one two", max_tokens=None,
                                                extra_body={"ignore_eos": True})
         assert completion.usage.completion_tokens == 5
+
+
+def test_eos_ids_past_the_vocabulary_are_dropped_with_a_warning(llama_dir, tokenizer, tmp_path):
+    """A generation config may list EOS ids the model's vocabulary lacks (a larger sibling's, a
+    tokenizer's appended EOS): they can never be sampled, so the engine warns and starts; where no
+    EOS id is left in the vocabulary it refuses with a message naming them."""
+    path = tmp_path / "model"
+    shutil.copytree(llama_dir, path)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [tokenizer.eos_token_id,
+                                                                                        vocab + 5]}))
+    with logged_messages("vllm") as messages:
+        llm = LLM(str(path), max_model_len=64)
+    assert llm.llm_engine.eos_token_ids == {tokenizer.eos_token_id}
+    assert any(f"[{vocab + 5}] lie outside the model's vocabulary of {vocab}" in m for m in messages)
+    out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) >= 1
+    with pytest.raises(ValueError, match=rf"none of the EOS token ids \[{vocab}, {vocab + 5}\] .* \[0, {vocab}\)"):
+        _producible_stop_ids({vocab, vocab + 5}, vocab)

@@ -29,6 +29,20 @@ from vllm.v1.metrics.reader import Metric, metrics_from_stats
 logger = init_logger(__name__)
 
 
+def _producible_stop_ids(candidates: set[int], vocab_size: int) -> list[int]:
+    """The EOS ids the model can produce: an id past its vocabulary (a generation config listing
+    ids of a larger vocabulary, a tokenizer that appends its own EOS) can never be sampled, so it
+    is dropped with a warning instead of refusing to start; none left is an error."""
+    stop_ids = sorted(i for i in candidates if 0 <= i < vocab_size)
+    if not stop_ids:
+        raise ValueError(f"none of the EOS token ids {sorted(candidates)} (the tokenizer's and generation_config.json's) "
+                         f"lies in the model's vocabulary [0, {vocab_size}); the model could never end a sequence")
+    if len(stop_ids) < len(candidates):
+        logger.warning("EOS token ids %s lie outside the model's vocabulary of %d and are ignored: the model cannot "
+                       "produce them", sorted(set(candidates) - set(stop_ids)), vocab_size)
+    return stop_ids
+
+
 class LLMEngine:
     def __init__(self, vllm_config: VllmConfig):
         model_config = vllm_config.model_config
@@ -37,7 +51,7 @@ class LLMEngine:
         from vllm.structured_output import StructuredOutputManager
 
         eos_ids = generation_eos_token_ids(model_config.model_dir)
-        stop_ids = sorted(eos_ids | {self.tokenizer.eos_token_id} - {None})
+        stop_ids = _producible_stop_ids(eos_ids | {self.tokenizer.eos_token_id} - {None}, model_config.vocab_size)
         self.eos_token_ids = frozenset(stop_ids)  # the tokenizer's EOS and the generation config's
         self.structured_output_manager = StructuredOutputManager(self.tokenizer, model_config.vocab_size,
                                                                  stop_token_ids=stop_ids)

@@ -35,8 +35,9 @@ def _producible_stop_ids(candidates: set[int], vocab_size: int) -> list[int]:
     is dropped with a warning instead of refusing to start; none left is an error."""
     stop_ids = sorted(i for i in candidates if 0 <= i < vocab_size)
     if not stop_ids:
-        raise ValueError(f"none of the EOS token ids {sorted(candidates)} (the tokenizer's and generation_config.json's) "
-                         f"lies in the model's vocabulary [0, {vocab_size}); the model could never end a sequence")
+        raise ValueError(f"none of the EOS token ids {sorted(candidates)} (the tokenizer's and "
+                         f"generation_config.json's) lies in the model's vocabulary [0, {vocab_size}); the model "
+                         "could never end a sequence")
     if len(stop_ids) < len(candidates):
         logger.warning("EOS token ids %s lie outside the model's vocabulary of %d and are ignored: the model cannot "
                        "produce them", sorted(set(candidates) - set(stop_ids)), vocab_size)

@@ -135,11 +135,21 @@ constexpr int64_t kSlots = 7, kTensorsPerSlot = 5;
 constexpr int64_t kFirstSlot[5] = {0, 3, 4, 6, kSlots};  // linear i's slots: [kFirstSlot[i], kFirstSlot[i + 1])
 constexpr size_t kWeights = 4 + kSlots * kTensorsPerSlot, kInts = 4 + 2 * kSlots, kFloats = 4;  // one layer's
 
+// Slot s's first tensor (its weight or qweight), and its kind (-1: unused).
+const at::Tensor& slot_weight(at::TensorList weights, int64_t s) { return weights[4 + kTensorsPerSlot * s]; }
+int64_t slot_kind(at::IntArrayRef ints, int64_t s) { return ints[4 + 2 * s]; }
+
+// Linear i's used slots: [kFirstSlot[i], the returned end).
+int64_t used_slots_end(at::IntArrayRef ints, int i) {
+  int64_t s = kFirstSlot[i];
+  while (s < kFirstSlot[i + 1] && slot_kind(ints, s) >= 0) ++s;
+  return s;
+}
+
 // Output features of linear i: the rows of its used slots.
 int64_t linear_rows(at::TensorList weights, at::IntArrayRef ints, int i) {
   int64_t rows = 0;
-  for (int64_t s = kFirstSlot[i]; s < kFirstSlot[i + 1]; ++s)
-    if (ints[4 + 2 * s] >= 0) rows += weights[4 + kTensorsPerSlot * s].size(0);
+  for (int64_t s = kFirstSlot[i], end = used_slots_end(ints, i); s < end; ++s) rows += slot_weight(weights, s).size(0);
   return rows;
 }
 
@@ -150,16 +160,16 @@ void linear_slots(const at::Tensor& out, const at::Tensor& x, at::TensorList wei
   const auto call = [&](const at::Tensor& o, int64_t s, bool with_bias) {
     const int64_t k = 4 + kTensorsPerSlot * s;
     linear_into(o, x, weights[k], weights[k + 1], with_bias ? weights[k + 2] : at::Tensor(), weights[k + 3],
-                weights[k + 4], ints[4 + 2 * s], ints[5 + 2 * s]);
+                weights[k + 4], slot_kind(ints, s), ints[5 + 2 * s]);
   };
-  const int64_t first = kFirstSlot[i];
-  if (kFirstSlot[i + 1] - first == 1 || ints[4 + 2 * (first + 1)] < 0) {
+  const int64_t first = kFirstSlot[i], end = used_slots_end(ints, i);
+  if (end - first == 1) {
     call(out, first, true);
     return;
   }
   int64_t col = 0;
-  for (int64_t s = first; s < kFirstSlot[i + 1] && ints[4 + 2 * s] >= 0; ++s) {
-    const int64_t cols = weights[4 + kTensorsPerSlot * s].size(0);
+  for (int64_t s = first; s < end; ++s) {
+    const int64_t cols = slot_weight(weights, s).size(0);
     at::Tensor part = out.narrow(1, col, cols);
     if (part.is_contiguous()) {
       call(part, s, false);
@@ -259,8 +269,8 @@ struct DecodeStack : torch::CustomClassHolder {
     const size_t layers = ints.size() / kInts;
     TORCH_CHECK(layers > 0 && weights.size() == layers * kWeights && ints.size() == layers * kInts &&
                     floats.size() == layers * kFloats,
-                "DecodeStack: expected ", kWeights, " weights, ", kInts, " ints and ", kFloats, " floats per layer, got ", weights.size(), ", ",
-                ints.size(), " and ", floats.size());
+                "DecodeStack: expected ", kWeights, " weights, ", kInts, " ints and ", kFloats,
+                " floats per layer, got ", weights.size(), ", ", ints.size(), " and ", floats.size());
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(ints.size() / kInts); }

@@ -68,23 +68,23 @@ def _linear_args(linear, slots: int) -> Optional[tuple[list[torch.Tensor], list[
     if type(linear) is not Linear or linear.shard is not None or linear._packed is not None:
         return None
     bias = _EMPTY if linear.bias is None else linear.bias
-    unused = (slots - 1) * [_EMPTY] * 5, (slots - 1) * [-1, 0]
     if not linear._quantized:
         weight = linear.weight
         if weight.dtype not in dense_gemv.WEIGHT_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
             return None
-        rows, dot_above = dense_gemv.layer_rows(weight)
-        return [weight, _EMPTY, bias, _EMPTY, _EMPTY, *unused[0]], [0, dot_above, *unused[1]], rows
-    quantized = linear._quantized
-    if len(quantized) > slots or any(q is None for q in quantized) or not quantization.native_available():
-        return None
-    tensors, ints = [], []
-    for i, q in enumerate(quantized):
-        optional = [_EMPTY if t is None else t for t in (q.offsets, q.superblocks)]
-        tensors += [q.qweight, q.scales, bias if i == 0 else _EMPTY, *optional]
-        ints += [_KINDS[q.method], q.group]
-    free = slots - len(quantized)
-    return tensors + free * [_EMPTY] * 5, ints + free * [-1, 0], quantization.NATIVE_MAX_ROWS
+        native_rows, dot_above = dense_gemv.layer_rows(weight)
+        tensors, ints = [weight, _EMPTY, bias, _EMPTY, _EMPTY], [0, dot_above]
+    else:
+        quantized = linear._quantized
+        if len(quantized) > slots or any(q is None for q in quantized) or not quantization.native_available():
+            return None
+        tensors, ints, native_rows = [], [], quantization.NATIVE_MAX_ROWS
+        for i, q in enumerate(quantized):
+            optional = [_EMPTY if t is None else t for t in (q.offsets, q.superblocks)]
+            tensors += [q.qweight, q.scales, bias if i == 0 else _EMPTY, *optional]
+            ints += [_KINDS[q.method], q.group]
+    free = slots - len(ints) // 2
+    return tensors + free * [_EMPTY] * 5, ints + free * [-1, 0], native_rows
 
 
 class NativeDecodeLayer:

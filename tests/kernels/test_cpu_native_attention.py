@@ -3,7 +3,8 @@ oracle: decodes and short prefills on a cached prefix (an aLoRA's few tokens ove
 conversation) with shuffled block ids and noise in unused blocks, lengths of 1 and exact
 multiples of the block size, query runs and long contexts split across tasks (and merged),
 GQA ratios 1-4, head sizes 16/32/40/64/96/128, block sizes 5/8/12/16/80, fp32 (tight) and bf16/fp16
-(loose, against fp32 on the same rounded inputs; bf16 prompts through the AVX512-BF16 tiles too), fp32
+(loose, against fp32 on the same rounded inputs; bf16 prompts through the AVX512-BF16 tiles too; bf16
+decodes, whose logits take those dot products, to within the output's rounding), fp32
 queries over a bf16 cache (tight, against fp32 on the rounded cache); sequences above max_query_len left alone;
 results bitwise independent of threads (a lone decode's KV heads shared out among threads too)
 and of the rest of the batch; mixed batches through
@@ -143,6 +144,26 @@ def test_bf16_prompts_match_fp32_on_the_same_inputs(num_heads, num_kv_heads, hea
     ref, _ = reference(query.float(), key.float(), value.float(), cache.float(), meta, scale)
     torch_ref.store_kv(key, value, cache, meta.slot_mapping)
     torch.testing.assert_close(run_native(query, cache, meta, scale).float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size",
+    [(4, 4, 64), (4, 2, 32), (9, 3, 64), (8, 2, 128), (7, 1, 64), (6, 2, 40)],
+    ids=["g1", "g2", "g3", "g4", "g7", "h40"],
+)
+def test_bf16_decodes_round_only_the_output(num_heads, num_kv_heads, head_size):
+    """bf16 decodes (on AVX512-BF16 CPUs the logits by bf16 dot products on the keys in place where
+    the head size is a multiple of 32, four keys at a time with the rest one by one; tiles of 1-4
+    rows, 7 = 4 + 3; contexts over 512 keys split and merged) against fp32 attention over the same
+    rounded inputs: both the logits' products and the value sums are exact fp32 arithmetic, so the
+    output's own rounding to bf16 (half a unit in its last place) is all the error allowed."""
+    specs = decode_specs([1, 2, 3, 5, 16, 17, 37, 600, 1100])
+    query, key, value, cache, meta = make_batch(specs, num_heads, num_kv_heads, head_size, 16, dtype=torch.bfloat16,
+                                                seed=head_size + num_heads)
+    scale = head_size**-0.5
+    ref, _ = reference(query.float(), key.float(), value.float(), cache.float(), meta, scale)
+    torch_ref.store_kv(key, value, cache, meta.slot_mapping)
+    torch.testing.assert_close(run_native(query, cache, meta, scale).float(), ref, atol=1e-5, rtol=2**-8)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

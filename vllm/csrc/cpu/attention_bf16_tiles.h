@@ -1,7 +1,8 @@
 /*
- * Prompt tiles of the CPU attention kernel for bf16 caches on CPUs with AVX512-BF16: vdpbf16ps
- * multiplies two bf16 pairs per fp32 lane and adds both products to it, so one instruction does
- * the work of two fp32 FMAs and the operands are read as stored (half the bytes, no widening).
+ * Tiles of the CPU attention kernel for bf16 caches on CPUs with AVX512-BF16, for prompts (logits
+ * and values) and decodes (logits on the keys in place): vdpbf16ps multiplies two bf16 pairs per
+ * fp32 lane and adds both products to it, so one instruction does the work of two fp32 FMAs and
+ * the operands are read as stored (half the bytes, no widening).
  *
  * Semantics (paged_attention.cpp's, with two differences, both as torch's SDPA has them for bf16
  * on the CPU):
@@ -9,7 +10,7 @@
  *           sum one after the other, rounding to nearest even; bf16 subnormal inputs count as 0
  *           and subnormal sums are flushed to 0 (the instruction's DAZ/FTZ).
  *   values  out += p_t * v_t with the probabilities p rounded to bf16 (nearest even), summed in
- *           fp32 like the logits.
+ *           fp32 like the logits (prompts; decodes keep fp32 probabilities and FMAs).
  * Everything else (softmax, merge) stays fp32.
  *
  * Layout: a bf16 row of D features is read as D/2 uint32 "pairs" (features 2i, 2i + 1 in the low
@@ -62,6 +63,49 @@ inline void bf16_block_logits(float* const* logits, const uint32_t* const* q2, c
       for (int r = 0; r < R; ++r)
         _mm512_mask_storeu_ps(logits[r] + kb + v * W, mask, _mm512_mul_ps(v == 0 ? acc0[r] : acc1[r], s));
     }
+  }
+}
+
+// logits[r][t + j] = scale * <q[r], k_{t+j}> for j < KS <= 4 and the R <= 4 rows of a tile, the keys
+// in place (key t + j at rows + (t + j) * stride, bf16 as stored): a decode's logits with the same
+// arithmetic as bf16_block_logits, the R x KS sums of each lane's pairs added in one tree.
+template <int R, int KS>
+inline void bf16_keys_logits(float* const* logits, const uint32_t* const* q2, const c10::BFloat16* rows,
+                             int64_t stride, int64_t t, int64_t P, float scale) {
+  static_assert(R <= 4 && KS <= 4, "one tree of 16 sums");
+  constexpr int64_t W = 16;
+  __m512 acc[R][KS];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < KS; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; p += W) {  // P % 16 == 0 (bf16_dot_head_size)
+    __m512bh k[KS];
+    for (int j = 0; j < KS; ++j)
+      k[j] = as_bf16_pairs(_mm512_loadu_si512(reinterpret_cast<const uint32_t*>(rows + (t + j) * stride) + p));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qp = as_bf16_pairs(_mm512_loadu_si512(q2[r] + p));
+      for (int j = 0; j < KS; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qp, k[j]);
+    }
+  }
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < KS; ++j) a[4 * j + r] = acc[r][j];
+  store_quarters(_mm512_mul_ps(lane_sums_16(a), _mm512_set1_ps(scale)), logits, t, (1u << KS) - 1,
+                 std::make_index_sequence<R>{});
+}
+
+// bf16_keys_logits over keys 0 .. n - 1, four at a time, asking for `ahead`'s row t with key t.
+template <int R>
+inline void bf16_row_logits(float* const* logits, const uint32_t* const* q2, const c10::BFloat16* rows,
+                            int64_t stride, int64_t n, int64_t P, float scale, const Ahead& ahead) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    for (int j = 0; j < 4; ++j) ahead.ask(t + j);
+    bf16_keys_logits<R, 4>(logits, q2, rows, stride, t, P, scale);
+  }
+  for (; t < n; ++t) {
+    ahead.ask(t);
+    bf16_keys_logits<R, 1>(logits, q2, rows, stride, t, P, scale);
   }
 }
 
@@ -146,6 +190,9 @@ void bf16_block_logits(float* const* logits, const uint32_t* const* q2, const ui
                        int64_t P, float scale);
 template <int R>
 void bf16_block_values(float* const* acc, const uint32_t* const* p2, const uint32_t* vt2, int64_t pairs, int64_t D);
+template <int R>
+void bf16_row_logits(float* const* logits, const uint32_t* const* q2, const c10::BFloat16* rows, int64_t stride,
+                     int64_t n, int64_t P, float scale, const Ahead& ahead);
 void bf16_pack_pairs(const float* p, int64_t n, uint32_t* out);
 template <typename RowOf>
 void bf16_interleave_values(const RowOf& row, int64_t n, int64_t D, uint32_t* vt2);

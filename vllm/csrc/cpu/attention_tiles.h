@@ -249,10 +249,10 @@ inline __m512 lane_sums_16(const __m512 (&a)[16]) {
   return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
 }
 
-// dst[r][t .. t + 3] = quarter r of v, for r < sizeof...(r).
+// dst[r][t + j] = lane j of quarter r of v, for r < sizeof...(r) and the lanes j in `lanes`.
 template <size_t... r>
-inline void store_quarters(__m512 v, float* const* dst, int64_t t, std::index_sequence<r...>) {
-  (_mm_storeu_ps(dst[r] + t, _mm512_extractf32x4_ps(v, r)), ...);
+inline void store_quarters(__m512 v, float* const* dst, int64_t t, unsigned lanes, std::index_sequence<r...>) {
+  (_mm_mask_storeu_ps(dst[r] + t, static_cast<__mmask8>(lanes), _mm512_extractf32x4_ps(v, r)), ...);
 }
 #endif
 
@@ -305,7 +305,7 @@ inline void keys_logits(T* const* logits, const T* const* q, const S* rows, int6
     for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < KS; ++j) a[4 * j + r] = acc[r][j];
-    store_quarters(lane_sums_16(a), logits, t, std::make_index_sequence<R>{});
+    store_quarters(lane_sums_16(a), logits, t, 0xF, std::make_index_sequence<R>{});
     return;
   }
 #endif

@@ -21,8 +21,9 @@
  *   widened exactly as they are read); all arithmetic is in fp32 (at::opmath_type), rounded
  *   to the storage type only when writing out, but for bf16 prompts on CPUs with AVX512-BF16,
  *   whose value sums take the probabilities rounded to bf16, as SDPA does for bf16 on the CPU
- *   (attention_bf16_tiles.h). exp is at::vec's exp_u20 (within 20 ulp of fp32 exp, far below
- *   any test tolerance).
+ *   (attention_bf16_tiles.h; bf16 decodes there take their logits from the same dot products,
+ *   exact products summed in fp32, and keep fp32 probabilities). exp is at::vec's exp_u20
+ *   (within 20 ulp of fp32 exp, far below any test tolerance).
  *
  * Shapes:
  *   out, query       [>= num_tokens, H, D]      any token/head strides, unit stride along D
@@ -227,8 +228,10 @@ inline std::vector<int64_t> costliest_first(const std::vector<Group>& groups, co
 // sum of exp(logit - max) over the task's keys (-inf and 0 when the row attends to none of them).
 // kTranspose: the many-row path (keys transposed a chunk at a time) or the decode path (keys and
 // values read in place, a block at a time); one function each, so that each path's inner loops
-// are compiled, and inlined, on their own. kDot (bf16 query and cache, many rows, where kHasBf16Dot): the tiles
-// of attention_bf16_tiles.h, on the bf16 rows as stored.
+// are compiled, and inlined, on their own. kDot (bf16 query and cache, where kHasBf16Dot): the tiles of
+// attention_bf16_tiles.h, on the bf16 rows as stored; on the decode path for the logits only (the value
+// sums keep fp32 probabilities: with few rows, interleaving each block's values would cost more than
+// the dot products save).
 template <typename scalar_t, typename cache_t, bool kTranspose, bool kDot = false>
 void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, int64_t q_s1, const cache_t* k_cache,
                        const cache_t* v_cache, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
@@ -303,7 +306,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
       const cache_t* block = nullptr;
       int64_t stride = token_stride;
       const opmath_t* k = nullptr;
-      if constexpr (kDot) {
+      if constexpr (kDot && kTranspose) {
         for (int64_t b = 0; b * bs < n; ++b) {  // each block's pairs, as 32-bit units, transposed into the chunk
           const int64_t nb = std::min(bs, n - b * bs);
           block = block_at(k_cache, head, start + b * bs, next);
@@ -333,12 +336,14 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
           qp[r] = q + (m + r) * D;
           q2p[r] = q2 + (m + r) * P;
         }
-        if constexpr (kDot) {
+        if constexpr (kDot && kTranspose) {
           bf16_block_logits<R>(lp, q2p, kt2, ldk, n, P, scale);
         } else if constexpr (kTranspose) {
           block_logits<R>(lp, qp, kt, ldk, n, D);
         } else {
-          if constexpr (kReadInPlace<cache_t>)
+          if constexpr (kDot)
+            bf16_row_logits<R>(lp, q2p, block, token_stride, n, P, scale, m == m0 ? next : Ahead{});
+          else if constexpr (kReadInPlace<cache_t>)
             row_logits<R>(lp, qp, block, token_stride, n, D, m == m0 ? next : Ahead{});
           else
             row_logits<R>(lp, qp, k, stride, n, D, m == m0 ? next : Ahead{});
@@ -382,7 +387,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
                                         stride);
       }
       if constexpr (kTranspose) next = Ahead{};  // asked for above
-      if constexpr (kDot) {  // the chunk's values and each row's probabilities by pairs
+      if constexpr (kDot && kTranspose) {  // the chunk's values and each row's probabilities by pairs
         const auto row = [&](int64_t t) {
           return reinterpret_cast<const uint16_t*>(in_place[t / bs] + (t % bs) * token_stride);
         };
@@ -400,7 +405,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
           pp[r] = logits + (m + r) * keys_per_task + start;
           p2p[r] = p2 + (m + r) * chunk_pairs;
         }
-        if constexpr (kDot)
+        if constexpr (kDot && kTranspose)
           bf16_block_values<R>(ap, p2p, vt2, (n + 1) / 2, D);
         else if constexpr (kReadInPlace<cache_t>)
           block_values<R>(ap, pp, in_place, bs, stride, n, D, m == m0 ? next : Ahead{});
@@ -473,7 +478,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
     const bool transpose = !reads_keys_in_place(qsl[tasks[t].seq + 1] - qsl[tasks[t].seq], G);
     auto* attend = transpose ? partial_attention<scalar_t, cache_t, true> : partial_attention<scalar_t, cache_t, false>;
     if constexpr (kHasBf16Dot && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>)
-      if (transpose && bf16_dot_head_size(D)) attend = partial_attention<scalar_t, cache_t, true, true>;
+      if (bf16_dot_head_size(D))
+        attend = transpose ? partial_attention<scalar_t, cache_t, true, true> : partial_attention<scalar_t, cache_t, false, true>;
     attend(
         tasks[t], q_base, query.stride(0), query.stride(1), k_cache, v_cache, tables, block_table.stride(0), seq_lens,
         qsl, G, D, bs, Hkv, keys_per_task, op_scale, variant, rows);

@@ -21,9 +21,8 @@
  *   widened exactly as they are read); all arithmetic is in fp32 (at::opmath_type), rounded
  *   to the storage type only when writing out, but for bf16 prompts on CPUs with AVX512-BF16,
  *   whose value sums take the probabilities rounded to bf16, as SDPA does for bf16 on the CPU
- *   (attention_bf16_tiles.h; bf16 decodes there take their logits from the same dot products,
- *   exact products summed in fp32, and keep fp32 probabilities). exp is at::vec's exp_u20
- *   (within 20 ulp of fp32 exp, far below any test tolerance).
+ *   (attention_bf16_tiles.h; bf16 decodes there too, where D % 32 == 0). exp is at::vec's
+ *   exp_u20 (within 20 ulp of fp32 exp, far below any test tolerance).
  *
  * Shapes:
  *   out, query       [>= num_tokens, H, D]      any token/head strides, unit stride along D
@@ -229,9 +228,8 @@ inline std::vector<int64_t> costliest_first(const std::vector<Group>& groups, co
 // kTranspose: the many-row path (keys transposed a chunk at a time) or the decode path (keys and
 // values read in place, a block at a time); one function each, so that each path's inner loops
 // are compiled, and inlined, on their own. kDot (bf16 query and cache, where kHasBf16Dot): the tiles of
-// attention_bf16_tiles.h, on the bf16 rows as stored; on the decode path for the logits only (the value
-// sums keep fp32 probabilities: with few rows, interleaving each block's values would cost more than
-// the dot products save).
+// attention_bf16_tiles.h, on the bf16 rows as stored (the decode path's interleave each pair of value
+// rows in registers as they are read).
 template <typename scalar_t, typename cache_t, bool kTranspose, bool kDot = false>
 void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, int64_t q_s1, const cache_t* k_cache,
                        const cache_t* v_cache, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,
@@ -387,11 +385,11 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
                                         stride);
       }
       if constexpr (kTranspose) next = Ahead{};  // asked for above
-      if constexpr (kDot && kTranspose) {  // the chunk's values and each row's probabilities by pairs
+      if constexpr (kDot) {  // each row's probabilities by pairs, and the chunk's values where transposed
         const auto row = [&](int64_t t) {
           return reinterpret_cast<const uint16_t*>(in_place[t / bs] + (t % bs) * token_stride);
         };
-        bf16_interleave_values(row, n, D, vt2);
+        if constexpr (kTranspose) bf16_interleave_values(row, n, D, vt2);
         for (int64_t m = m0; m < m0 + per_head; ++m)
           bf16_pack_pairs(logits + m * keys_per_task + start, n, p2 + m * chunk_pairs);
       }
@@ -407,6 +405,8 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
         }
         if constexpr (kDot && kTranspose)
           bf16_block_values<R>(ap, p2p, vt2, (n + 1) / 2, D);
+        else if constexpr (kDot)
+          bf16_row_values<R>(ap, p2p, in_place[0], token_stride, n, D, m == m0 ? next : Ahead{});
         else if constexpr (kReadInPlace<cache_t>)
           block_values<R>(ap, pp, in_place, bs, stride, n, D, m == m0 ? next : Ahead{});
         else

@@ -151,18 +151,20 @@ def test_bf16_prompts_match_fp32_on_the_same_inputs(num_heads, num_kv_heads, hea
     [(4, 4, 64), (4, 2, 32), (9, 3, 64), (8, 2, 128), (7, 1, 64), (6, 2, 40)],
     ids=["g1", "g2", "g3", "g4", "g7", "h40"],
 )
-def test_bf16_decodes_round_only_probabilities_and_output(num_heads, num_kv_heads, head_size):
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_bf16_decodes_round_only_probabilities_and_output(num_heads, num_kv_heads, head_size, block_size):
     """bf16 decodes (on AVX512-BF16 CPUs, where the head size is a multiple of 32, the logits by bf16
     dot products on the keys in place, four keys at a time and the rest one by one, and the value
     sums by dot products over interleaved pairs of value rows, an odd last one alone; tiles of 1-4
-    rows, 7 = 4 + 3; contexts over 512 keys split and merged) against fp32 attention over the same
+    rows, 7 = 4 + 3; odd blocks, whose last value row pairs with zeros; contexts over 512 keys split
+    and merged) against fp32 attention over the same
     rounded inputs. The logits' products are exact and summed in fp32; the probabilities are rounded
     to bf16 (as the prompt tiles and SDPA do) and the output once more: each within half a unit in
     its last place (2^-8 of it), so out may differ from fp32 by 2^-8 (sum_t p_t |v_t| + |out|).
     Elsewhere (head size 40, other CPUs) the arithmetic is fp32 and the bound holds too."""
     specs = decode_specs([1, 2, 3, 5, 16, 17, 37, 600, 1100])
-    query, key, value, cache, meta = make_batch(specs, num_heads, num_kv_heads, head_size, 16, dtype=torch.bfloat16,
-                                                seed=head_size + num_heads)
+    query, key, value, cache, meta = make_batch(specs, num_heads, num_kv_heads, head_size, block_size,
+                                                dtype=torch.bfloat16, seed=head_size + num_heads + block_size)
     scale = head_size**-0.5
     ref, _ = reference(query.float(), key.float(), value.float(), cache.float(), meta, scale)
     abs_cache = cache.float()

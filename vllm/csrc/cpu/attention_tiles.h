@@ -236,7 +236,8 @@ inline void sums_of_four(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* out)
 // a sum where one vector at a time took about 10.
 inline __m512 lane_sums_16(const __m512 (&a)[16]) {
   __m512 s[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)  // quarters [a.q0 + a.q2, a.q1 + a.q3, b.q0 + b.q2, b.q1 + b.q3] of a, b = a[2i], a[2i + 1]
+  // quarters [a.q0 + a.q2, a.q1 + a.q3, b.q0 + b.q2, b.q1 + b.q3] of a, b = a[2i], a[2i + 1]
+  for (int i = 0; i < 8; ++i)
     s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)  // quarter k: four lanes that sum to a[4 i + k]'s

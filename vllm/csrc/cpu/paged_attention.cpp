@@ -245,7 +245,8 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int64_t W = at::vec::Vectorized<opmath_t>::size();
   const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;  // within kv_cache[0 or 1]
-  const int64_t ahead = kPrefetchBlocks * bs, far = kFarBlocks * bs, row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t ahead = kPrefetchBlocks * bs, far = kFarBlocks * bs;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
   const int64_t L = seq_lens[task.seq], q_len = qsl[task.seq + 1] - qsl[task.seq];
   const int64_t M = task.rows(G), per_head = (task.j1 - task.j0) * G, span = task.k1 - task.k0;
   const int32_t* blocks = tables + task.seq * table_stride;
@@ -496,7 +497,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
     auto* attend = transpose ? partial_attention<scalar_t, cache_t, true> : partial_attention<scalar_t, cache_t, false>;
     if constexpr (kHasBf16Dot && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>)
       if (bf16_dot_head_size(D))
-        attend = transpose ? partial_attention<scalar_t, cache_t, true, true> : partial_attention<scalar_t, cache_t, false, true>;
+        attend = transpose ? partial_attention<scalar_t, cache_t, true, true>
+                           : partial_attention<scalar_t, cache_t, false, true>;
     attend(
         tasks[t], q_base, query.stride(0), query.stride(1), k_cache, v_cache, tables, block_table.stride(0), seq_lens,
         qsl, G, D, bs, Hkv, keys_per_task, op_scale, variant, rows);

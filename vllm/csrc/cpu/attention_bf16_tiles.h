@@ -81,7 +81,6 @@ inline void bf16_block_logits(float* const* logits, const uint32_t* const* q2, c
 template <int R, int KS>
 inline void bf16_keys_logits(float* const* logits, const uint32_t* const* q2, const c10::BFloat16* rows,
                              int64_t stride, int64_t t, int64_t P, float scale) {
-  static_assert(R <= 4 && KS <= 4, "one tree of 16 sums");
   constexpr int64_t W = 16;
   __m512 acc[R][KS];
   for (int r = 0; r < R; ++r)
@@ -95,11 +94,7 @@ inline void bf16_keys_logits(float* const* logits, const uint32_t* const* q2, co
       for (int j = 0; j < KS; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qp, k[j]);
     }
   }
-  __m512 a[16];
-  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < KS; ++j) a[4 * j + r] = acc[r][j];
-  store_quarters(_mm512_mul_ps(lane_sums_16(a), _mm512_set1_ps(scale)), logits, t, (1u << KS) - 1,
+  store_quarters(_mm512_mul_ps(tile_sums(acc), _mm512_set1_ps(scale)), logits, t, (1u << KS) - 1,
                  std::make_index_sequence<R>{});
 }
 

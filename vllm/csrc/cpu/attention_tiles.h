@@ -250,6 +250,18 @@ inline __m512 lane_sums_16(const __m512 (&a)[16]) {
   return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
 }
 
+// lane_sums_16 over a tile's R x KS <= 4 x 4 accumulators (V: __m512 or at::vec's float vector):
+// lane 4 r + j of the result = the sum of acc[r][j]'s lanes, the lanes of missing rows and keys 0.
+template <int R, int KS, typename V>
+inline __m512 tile_sums(const V (&acc)[R][KS]) {
+  static_assert(R <= 4 && KS <= 4, "one tree of 16 sums");
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < KS; ++j) a[4 * j + r] = acc[r][j];
+  return lane_sums_16(a);
+}
+
 // dst[r][t + j] = lane j of quarter r of v, for r < sizeof...(r) and the lanes j in `lanes`.
 template <size_t... r>
 inline void store_quarters(__m512 v, float* const* dst, int64_t t, unsigned lanes, std::index_sequence<r...>) {
@@ -302,11 +314,7 @@ inline void keys_logits(T* const* logits, const T* const* q, const S* rows, int6
   if (d < D) step(d, D - d);
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float> && KS == 4 && R <= 4) {  // the tile's R x 4 sums in one tree
-    __m512 a[16];
-    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < KS; ++j) a[4 * j + r] = acc[r][j];
-    store_quarters(lane_sums_16(a), logits, t, 0xF, std::make_index_sequence<R>{});
+    store_quarters(tile_sums(acc), logits, t, 0xF, std::make_index_sequence<R>{});
     return;
   }
 #endif

@@ -277,7 +277,7 @@ def test_thread_count_does_not_change_results():
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
-@pytest.mark.parametrize("lengths", [[300], [40, 1300]], ids=["one", "two"])
+@pytest.mark.parametrize("lengths", [[300], [1100], [40, 1300]], ids=["one", "one-of-four-ranges", "two"])
 def test_decodes_on_more_threads_than_key_ranges_share_out_their_heads(lengths):
     """A decode task reads the blocks of all its KV heads in turn; where that leaves threads idle
     (one or two decodes on more threads than their key ranges), the heads are shared out among

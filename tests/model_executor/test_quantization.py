@@ -132,11 +132,13 @@ def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
 # groups of 32 over an odd number of blocks (the per-block path, bf16 scales read as an fp32
 # copy), over SmolLM2's 576 features (18 blocks: the paired path, on bf16 scales as quantized at
 # load and on fp32 ones as GGUF's Q4_K gives) and over 6,144 (rows of 3 KB, the paired path on
-# long rows); int8 rows of 4 KB and more (one row of x asks their streams ahead) with a short
-# last block.
+# long rows; on AVX512-VNNI eight pairs at a time, and over 832 features one eight, one four and
+# one more); int8 rows of 4 KB and more (one row of x asks their streams ahead) with a short last
+# block.
 GROUPED = [("int8", 40, None), ("int8", 4136, None), ("int8", 96, 32), ("int8", 96, 16), ("int8", 72, 24), ("int8", 96, 48),
            ("int4", 192, 64), ("int4", 96, None), ("int4", 576, None), ("int4", 576, 32), ("int4", 6144, None),
-           ("int4", 128, 32), ("int4", 448, 32), ("int4", 640, 32)]  # paired: 2, 7, 10 pairs (fours and 2-3 more)
+           ("int4", 128, 32), ("int4", 448, 32), ("int4", 640, 32),  # paired: 2, 7, 10 pairs (fours and 2-3 more)
+           ("int4", 832, 32)]  # 13 pairs
 
 
 @pytest.mark.parametrize(("method", "k", "group"), GROUPED)
@@ -302,7 +304,7 @@ def test_native_kernel_does_not_depend_on_the_thread_count_or_tiles(method):
             assert torch.equal(q.quantized_linear(rows, part, None), one[:, start:stop])
 
 
-@pytest.mark.parametrize("k", [576, 6144])
+@pytest.mark.parametrize("k", [576, 832, 6144])
 @pytest.mark.parametrize("method", q.METHODS)
 def test_native_kernel_gives_a_row_the_same_result_in_any_batch(method, k):
     """A token decoded alone or among others gets bitwise the same output (x is laid out per row;

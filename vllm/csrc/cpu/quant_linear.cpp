@@ -45,7 +45,8 @@
  * engine's own int4, GGUF Q4_0) takes a paired path instead: two blocks per 32-byte load, x laid
  * out once per call to match the nibbles (layout_int4_pairs), the integer sums of four pairs
  * reduced to their eight blocks' sums and scaled at once by the blocks' x and weight scales:
- * 1.5-2.5x the per-block path's speed, 15-19 GB/s of weights on one Zen 3 thread. It reads the
+ * 1.5-2.5x the per-block path's speed, 15-19 GB/s of weights on one Zen 3 thread (where the
+ * compiler targets AVX512-VNNI, eight pairs at a time in 512-bit vectors first). It reads the
  * scales as stored, fp32, bf16 (int4 quantized at load) or fp16 (GGUF Q4_0's): 4-8% faster than
  * fp32 scales on cold megabyte-sized matrices, 10% fewer bytes; so does the per-block path
  * (GGUF Q8_0's fp16 d); only the scalar path and K-quant scales outside their own loops read an
@@ -82,6 +83,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VLLM_QUANT_AVX2 1
+#endif
+// The paired int4 path's eight pairs at a time in 512-bit vectors (dot_int4_pairs).
+#if defined(VLLM_QUANT_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VLLM_QUANT_OCTS 1
 #endif
 
 // The op namespace; a test builds this file a second time without AVX2 under another name.
@@ -328,6 +333,12 @@ struct Int4Pairs {
   std::vector<__m256> xs8;
   std::vector<__m256> gsums8;  // x' summed per block (group_sums), in xs8's order: what Q4_K's offsets meet
   const float* xs;
+#ifdef VLLM_QUANT_OCTS
+  // The same two pairs a vector (lo2[t] = [lo[2t], lo[2t + 1]]) over the whole eights of pairs;
+  // bias16 and xs16 sixteen blocks (eight pairs) a vector, in block_sums16's order.
+  std::vector<__m512i> lo2, hi2, bias16;
+  std::vector<__m512> xs16;
+#endif
 };
 
 // The int32 lanes of four consecutive pairs (dot_u8_s8's layout: lanes 0-3 of pair p sum block
@@ -344,6 +355,29 @@ inline __m256i block_sums8(const __m256i* pair_lanes) {
   const __m256i s23 = interleave_add(pair_lanes[2], pair_lanes[3]);
   return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
 }
+
+#ifdef VLLM_QUANT_OCTS
+// block_sums8 on two pairs a vector: four vectors (pairs 8o .. 8o + 7, 16 blocks; 128-bit lane j
+// of vector q holds block 4q + j's lanes) -> the 16 blocks' sums, element 4j + e = block 4e + j.
+inline __m512i block_sums16(const __m512i* lanes) {
+  const auto interleave_add = [](__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  };
+  const __m512i s01 = interleave_add(lanes[0], lanes[1]);
+  const __m512i s23 = interleave_add(lanes[2], lanes[3]);
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+// Element i of block_sums16's order is block 4 (i % 4) + i / 4.
+inline __m512i order16() { return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); }
+inline __m512 scales16(const float* ws) { return _mm512_permutexvar_ps(order16(), _mm512_loadu_ps(ws)); }
+inline __m512 scales16(const uint16_t* ws) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws)));
+  return _mm512_permutexvar_ps(order16(), _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+}
+inline __m512 scales16(const c10::Half* ws) {
+  return _mm512_permutexvar_ps(order16(), _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws))));
+}
+#endif
 
 void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pairs& out, const float* gsums) {
   out.lo.resize(npairs), out.hi.resize(npairs), out.bias.resize(npairs);
@@ -362,6 +396,22 @@ void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pa
     out.bias8[g] = block_sums8(&out.bias[4 * g]);
     out.xs8[g] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs + 8 * g), even_odd);
   }
+#ifdef VLLM_QUANT_OCTS
+  const int64_t twos = npairs / 8 * 4;
+  out.lo2.resize(twos), out.hi2.resize(twos);
+  std::vector<__m512i> bias2(twos);
+  const auto join = [](__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); };
+  for (int64_t t = 0; t < twos; ++t) {
+    out.lo2[t] = join(out.lo[2 * t], out.lo[2 * t + 1]);
+    out.hi2[t] = join(out.hi[2 * t], out.hi[2 * t + 1]);
+    bias2[t] = join(out.bias[2 * t], out.bias[2 * t + 1]);
+  }
+  out.bias16.resize(twos / 4), out.xs16.resize(twos / 4);
+  for (int64_t o = 0; o < twos / 4; ++o) {
+    out.bias16[o] = block_sums16(&bias2[4 * o]);
+    out.xs16[o] = scales16(xs + 16 * o);
+  }
+#endif
   out.gsums8.resize(gsums != nullptr ? npairs / 4 : 0);
   for (int64_t g = 0; g < static_cast<int64_t>(out.gsums8.size()); ++g)
     out.gsums8[g] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(gsums + 8 * g), even_odd);
@@ -474,6 +524,45 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
     return dot2_u8_s8(lo, x.lo[p], hi, x.hi[p]);
   };
   int64_t p = 0;
+#ifdef VLLM_QUANT_OCTS
+  // Eight pairs at a time (not K-quants: their superblocks span four): the same steps on two pairs
+  // a vector, sixteen blocks' sums scaled at once (kept nibbles: two pairs' lo, then their hi).
+  // Half the instructions of two fours; one Zen 4 thread, alone: hot 0.76-0.95x the time, cold
+  // 0.89-0.99x, four rows of x (bound by arithmetic) 0.80-0.94x; two threads cold 0.96-1.01x.
+  __m512 acc16[kRows];
+  for (int r = 0; r < kRows; ++r) acc16[r] = _mm512_setzero_ps();
+  if constexpr (!std::is_same_v<S, uint8_t>) {
+    const __m512i mask16 = _mm512_set1_epi8(0x0F);
+    for (; p + 8 <= npairs; p += 8) {
+      const int64_t o = p / 8;
+      for (int q = 0; q < 8; ++q) ask(p + q);
+      ask_streams(p);
+      ask_streams(p + 4);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 d16 = _mm512_mul_ps(x.xs16[o], scales16(ws + r * rs * G + 2 * p));
+        __m512i lanes[4];
+        for (int q = 0; q < 4; ++q) {
+          __m512i lo, hi;
+          __m512i* kept = reinterpret_cast<__m512i*>(unpacked + 2 * (r * npairs + p + 2 * q));
+          if constexpr (kNibbles == Nibbles::kKept) {
+            lo = _mm512_loadu_si512(kept), hi = _mm512_loadu_si512(kept + 1);
+          } else {
+            const __m512i w = _mm512_loadu_si512(rows + r * rs * row_bytes + (p + 2 * q) * kBlock);
+            lo = _mm512_and_si512(w, mask16), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask16);
+            if constexpr (kNibbles == Nibbles::kUnpackAndKeep) {
+              _mm512_storeu_si512(kept, lo);
+              _mm512_storeu_si512(kept + 1, hi);
+            }
+          }
+          lanes[q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x.lo2[4 * o + q]), hi,
+                                         x.hi2[4 * o + q]);
+        }
+        const __m512i sums = _mm512_sub_epi32(block_sums16(lanes), x.bias16[o]);
+        acc16[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), d16, acc16[r]);
+      }
+    }
+  }
+#endif
   for (; p + 4 <= npairs; p += 4) {
     const __m256 xs8 = x.xs8[p / 4];
     for (int q = 0; q < 4; ++q) ask(p + q);
@@ -512,7 +601,11 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
       }
     }
   }
+#ifdef VLLM_QUANT_OCTS
+  for (int r = 0; r < kRows; ++r) out[r * rs] = hsum(acc[r]) + _mm512_reduce_add_ps(acc16[r]);
+#else
   for (int r = 0; r < kRows; ++r) out[r * rs] = hsum(acc[r]);
+#endif
 }
 #endif
 

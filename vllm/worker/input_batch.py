@@ -2,9 +2,11 @@
 
 `CachedRequestState` is what the runner remembers about a request between steps
 (the scheduler sends only changes). `build_step_inputs` turns the scheduled
-requests into flat numpy arrays in one vectorised pass: positions, token ids,
-slot mapping, block table, query starts, the per-token adapter map, and which rows
-need logits.
+requests into flat numpy arrays: positions, token ids, slot mapping, block table,
+query starts, the per-token adapter map, and which rows need logits; in one
+vectorised pass, or for a step of one token per request (decodes) from Python ints,
+the same arrays (a decode step's Python runs with the caches its weights just
+evicted: SmolLM2 int4 on one thread 161 -> 49 us, the step 0.96-0.98x).
 
 The adapter map is the runner's aLoRA rule (one of the three places that know
 aLoRA exists):
@@ -74,6 +76,19 @@ def build_step_inputs(
     """`states` are in batch order with `num_scheduled[i]` new tokens each; `lora_slots`
     maps lora_int_id -> slot for the adapters of this step (None: LoRA disabled);
     `router` routes requests without a runtime adapter by their control tokens."""
+    if all(count == 1 for count in num_scheduled):
+        return _one_token_each(states, block_size, lora_slots, router)
+    return _any_token_counts(states, num_scheduled, block_size, lora_slots, router)
+
+
+def _any_token_counts(
+    states: list[CachedRequestState],
+    num_scheduled: list[int],
+    block_size: int,
+    lora_slots: Optional[dict[int, int]],
+    router: Optional[ControlTokenRouter],
+) -> StepInputs:
+    """build_step_inputs in one vectorised pass over any token counts."""
     n = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
     cu = np.zeros(len(states) + 1, dtype=np.int64)
@@ -113,6 +128,44 @@ def build_step_inputs(
         token_lora_mapping=_lora_mapping(states, req_index, positions, lora_slots, input_ids, cu, router),
         sample_rows=samples,
         logits_indices=(cu[1:][samples] - 1) if samples else np.zeros(0, dtype=np.int64),
+        prompt_logprob_spans=spans,
+    )
+
+
+def _one_token_each(
+    states: list[CachedRequestState],
+    block_size: int,
+    lora_slots: Optional[dict[int, int]],
+    router: Optional[ControlTokenRouter],
+) -> StepInputs:
+    """build_step_inputs for a step of one token per request (decodes), the same arrays from
+    Python ints: a decode step's inputs run with caches the step's weights have just evicted,
+    where every numpy call costs several times its warm time."""
+    positions = [s.num_computed_tokens for s in states]
+    max_blocks = max(len(s.block_ids) for s in states)
+    block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
+    for i, state in enumerate(states):
+        block_table[i, : len(state.block_ids)] = state.block_ids
+    samples = [i for i, (s, p) in enumerate(zip(states, positions)) if p + 1 >= len(s.token_ids)]
+    spans = {i: (i, 1) for i, (s, p) in enumerate(zip(states, positions))
+             if s.sampling_params.prompt_logprobs is not None and p < s.num_prompt_tokens - 1}
+    input_ids = np.array([s.token_ids[p] for s, p in zip(states, positions)], dtype=np.int64)
+    query_start_loc = np.arange(len(states) + 1, dtype=np.int32)
+    position_array = np.array(positions, dtype=np.int64)
+    return StepInputs(
+        req_ids=[s.req_id for s in states],
+        input_ids=input_ids,
+        positions=position_array,
+        slot_mapping=np.array([s.block_ids[p // block_size] * block_size + p % block_size
+                               for s, p in zip(states, positions)], dtype=np.int64),
+        query_start_loc=query_start_loc,
+        seq_lens=np.array([p + 1 for p in positions], dtype=np.int32),
+        block_table=block_table,
+        num_decodes=len(states),
+        token_lora_mapping=_lora_mapping(states, np.arange(len(states)), position_array, lora_slots, input_ids,
+                                         query_start_loc, router),
+        sample_rows=samples,
+        logits_indices=np.array(samples, dtype=np.int64),
         prompt_logprob_spans=spans,
     )
 

@@ -28,7 +28,7 @@ step() {  # step SECONDS NAME COMMAND...: run one check under its limit, its log
 [ "${1:-}" = "--no-aot" ] || step 300 triton_aot "$py" benchmarks/triton_aot.py --ci
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || exit 1
 step 200 gpu_parity "$py" -m benchmarks.gpu_parity --arch llama qwen3 mistral_window gemma2 gemma3 gpt_oss mixtral
-step 120 kernels "$py" benchmarks/kernels.py
+step 120 triton_kernels "$py" -m benchmarks.triton_kernels
 step 150 engine_steps "$py" -m benchmarks.engine_steps --granite-8b-dummy --json "$out/engine_steps.json"
 gpus=$(nvidia-smi -L | wc -l)
 if [ "$gpus" -ge 2 ]; then

@@ -137,7 +137,7 @@ def test_strided_query_view():
 
 def test_half_precision_matches_reference():
     """fp16 stands in for bf16: the interpreter runs tl.dot on bf16's raw bits (numpy has
-    no bf16), so bf16 is checked on GPU by benchmarks/kernels.py."""
+    no bf16), so bf16 is checked on GPU by benchmarks/triton_kernels.py."""
     query, key, value, cache, meta = make_batch(MIXED[2:6], 4, 2, 64, 16, dtype=torch.float16, seed=4)
     ref, cache_ref = reference(query.float(), key.float(), value.float(), cache.float(), meta, 0.125)
     triton_backend.store_kv(key, value, cache, meta.slot_mapping)

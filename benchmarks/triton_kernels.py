@@ -1,7 +1,7 @@
 """GPU kernel check and timing: every Triton kernel against its torch reference on fresh
 random bf16 inputs at Granite-3.3-8B shapes, timed against its roofline floor.
 
-    python benchmarks/kernels.py            # needs a CUDA GPU; well under 2 minutes on an H200
+    python -m benchmarks.triton_kernels           # needs a CUDA GPU; well under 2 minutes on an H200
 
 Each row: kernel, shape, median ms (triton.testing.do_bench, L2 flushed between runs),
 floor ms = max(bytes moved / HBM bandwidth, FLOPs / bf16 dense peak), ratio = ms / floor,
@@ -296,7 +296,7 @@ def measured_ceilings() -> str:
 
 def main() -> None:
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU (it times the Triton kernels); none is available here. "
+        sys.exit("benchmarks/triton_kernels.py needs a CUDA GPU (it times the Triton kernels); none is available here. "
                  "On CPU the kernels are checked by `pytest tests/kernels` under TRITON_INTERPRET=1.")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  floor: {HBM_BYTES_PER_S / 1e12:.1f} TB/s, {PEAK_FLOPS / 1e12:.0f} TFLOP/s; "

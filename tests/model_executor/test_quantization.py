@@ -317,6 +317,43 @@ def test_native_kernel_gives_a_row_the_same_result_in_any_batch(method, k):
         assert torch.equal(q.quantized_linear(x[i:i + 1], weight, None), batched[i:i + 1])
 
 
+def test_native_kernel_reuses_its_workspace_across_shapes_and_threads():
+    """x's layout lives in a per-thread workspace kept from call to call: a call after others of
+    larger and smaller shapes, batches, output dtypes, with and without Q4_K's offsets, gives
+    bitwise what the same call gives first on a thread of its own; so do calls racing on two
+    threads."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(11)
+    int4_576, int4_6144 = (q.quantize(torch.randn(67, k, generator=gen), "int4") for k in (576, 6144))
+    int8_576 = q.quantize(torch.randn(45, 576, generator=gen), "int8")
+    q4k = _kquant(29, 2048, gen)
+    calls = [(w, torch.randn(rows, w.in_features, generator=gen).to(dtype))
+             for w, rows, dtype in ((int4_6144, 5, torch.float32), (int4_576, 1, torch.bfloat16),
+                                    (q4k, 3, torch.float32), (int4_576, 7, torch.float32),
+                                    (int8_576, 2, torch.bfloat16), (q4k, 1, torch.bfloat16),
+                                    (int4_6144, 1, torch.float32))]
+    def run(call):
+        return q.quantized_linear(call[1], call[0], None)
+
+    def fresh(call):
+        result = []
+        thread = threading.Thread(target=lambda: result.append(run(call)))
+        thread.start()
+        thread.join()
+        return result[0]
+
+    first = [fresh(call) for call in calls]
+    for order in (range(len(calls)), reversed(range(len(calls)))):
+        for i in order:
+            assert torch.equal(run(calls[i]), first[i]), i
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            for i, out in zip(range(len(calls)), pool.map(run, calls)):
+                assert torch.equal(out, first[i]), i
+
+
 def test_portable_build_without_avx2_computes_the_same(tmp_path):
     """The scalar path, the whole kernel where the compiler does not target AVX2, built here
     without -march under its own op namespace."""

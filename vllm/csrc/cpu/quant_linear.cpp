@@ -71,7 +71,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -338,6 +337,7 @@ struct Int4Pairs {
   // bias16 and xs16 sixteen blocks (eight pairs) a vector, in block_sums16's order.
   std::vector<__m512i> lo2, hi2, bias16;
   std::vector<__m512> xs16;
+  std::vector<__m512i> bias2;  // layout_int4_pairs' scratch: the bias two pairs a vector
 #endif
 };
 
@@ -399,7 +399,8 @@ void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pa
 #ifdef VLLM_QUANT_OCTS
   const int64_t twos = npairs / 8 * 4;
   out.lo2.resize(twos), out.hi2.resize(twos);
-  std::vector<__m512i> bias2(twos);
+  std::vector<__m512i>& bias2 = out.bias2;
+  bias2.resize(twos);
   const auto join = [](__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); };
   for (int64_t t = 0; t < twos; ++t) {
     out.lo2[t] = join(out.lo[2 * t], out.lo[2 * t + 1]);
@@ -658,9 +659,9 @@ at::Tensor kquant_scales(const at::Tensor& sc, const KQuant& kq) {
 // What GGUF Q4_K's offsets meet: x' summed per weight group, gsums[m, g] = the sum over the group's
 // blocks b of xs[m, b] times the integer sum of xq over block b (fp32, in block order). K is a
 // multiple of group, group of 32.
-std::vector<float> group_sums(const int8_t* xq, const float* xs, int64_t M, int64_t K, int64_t group) {
+void group_sums(const int8_t* xq, const float* xs, int64_t M, int64_t K, int64_t group, std::vector<float>& sums) {
   const int64_t G = K / group, nblocks = K / kBlock, per_group = group / kBlock;
-  std::vector<float> sums(M * G);
+  sums.resize(M * G);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
@@ -671,7 +672,6 @@ std::vector<float> group_sums(const int8_t* xq, const float* xs, int64_t M, int6
       }
       sums[m * G + g] = s;
     }
-  return sums;
 }
 
 // byte_scales: a K-quant's sub-scales, which must be of that byte type, instead of fp32, bf16 or fp16 ones.
@@ -697,15 +697,39 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               "out must be contiguous fp32 or bf16 [M, N]");
 }
 
+// What a call lays x out in, kept by the calling thread from call to call: a decode step makes
+// ~200 calls, and allocating these each time (64-byte aligned vectors among them) cost ~3% of
+// SmolLM2's int4 step in malloc, with the caches that churns. Sizes follow each call (resize);
+// every element a call reads it has written first.
+struct Workspace {
+  std::vector<int8_t> xq;       // [M, K]
+  std::vector<float> xs;        // [M, ceil(K / 32)]
+  std::vector<float> widened;   // one row of a bf16 x at a time
+  std::vector<float> gsums;     // [M, G] (group_sums), where weights have offsets
+  std::vector<float> sums;      // [M, N] fp32 sums of a bf16 out
+#ifdef VLLM_QUANT_AVX2
+  std::vector<Int4Pairs> pairs; // one per row of x, paired int4 only
+#endif
+};
+
+Workspace& calling_thread_workspace() {
+  thread_local Workspace workspace;
+  return workspace;
+}
+
 template <bool kInt4>
 void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   int64_t group, const float* offsets, const KQuant& kq) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
   const int64_t row_bytes = qweight.size(1), nblocks = (K + kBlock - 1) / kBlock;
-  std::vector<int8_t> xq(M * K);        // [M, K]
-  std::vector<float> xs(M * nblocks);   // [M, ceil(K / 32)]
+  // References, not the thread_local itself: the parallel tasks below must read this thread's.
+  Workspace& work = calling_thread_workspace();
+  std::vector<int8_t>& xq = work.xq;
+  std::vector<float>& xs = work.xs;
+  std::vector<float>& widened = work.widened;
+  xq.resize(M * K), xs.resize(M * nblocks);
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
-  std::vector<float> widened(bf16_x ? K : 0);  // one row of a bf16 x at a time
+  widened.resize(bf16_x ? K : 0);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = bf16_x ? widened.data() : x.data_ptr<float>() + m * K;
     if (bf16_x) {
@@ -715,7 +739,8 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     quantize_row(xr, K, xq.data() + m * K, xs.data() + m * nblocks);
   }
   const bool has_offsets = offsets != nullptr || kq.mins != nullptr;
-  const std::vector<float> gsums = has_offsets ? group_sums(xq.data(), xs.data(), M, K, group) : std::vector<float>();
+  std::vector<float>& gsums = work.gsums;
+  if (has_offsets) group_sums(xq.data(), xs.data(), M, K, group, gsums);
 #ifdef VLLM_QUANT_AVX2
   // int4 in groups of 32 (this file's own quantization, GGUF Q4_0) over an even number of blocks:
   // the paired path, x laid out once per call.
@@ -731,7 +756,8 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 #ifdef VLLM_QUANT_AVX2
   const bool vector = group == 16 || group % kBlock == 0 || G == 1;  // what dot_blocks handles
   const int64_t k_vector = vector ? (K / kBlock) * kBlock : 0;  // features the vector path covers
-  std::vector<Int4Pairs> pairs(paired ? M : 0);
+  std::vector<Int4Pairs>& pairs = work.pairs;
+  pairs.resize(paired ? M : 0);
   // The paired int4 path. One row of x (decodes of one sequence): tiles of four rows spread over
   // the task's range (vllm_cpu_bits::for_strided_tiles), each row a stream of its own for the
   // hardware prefetchers, no software prefetch: in the engine, Granite-3.3-2B's int4 decode step
@@ -757,8 +783,8 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
   // The fp32 sums; a bf16 out gets them rounded once a task's range is done.
   const bool bf16_out = out.scalar_type() == at::kBFloat16;
-  std::unique_ptr<float[]> sums(bf16_out ? new float[M * N] : nullptr);
-  float* op = bf16_out ? sums.get() : out.data_ptr<float>();
+  work.sums.resize(bf16_out ? M * N : 0);
+  float* op = bf16_out ? work.sums.data() : out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
 #ifdef VLLM_QUANT_AVX2
@@ -792,7 +818,9 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     };
     if (!pairs.empty()) {
       // A tile's unpacked nibbles, kept for the rows of x after the first ([kRows, npairs, 2]).
-      std::vector<__m256i> kept(M > 1 ? kRowTile * nblocks : 0);
+      // Kept by the thread running the task (the workspace above is the calling thread's).
+      thread_local std::vector<__m256i> kept;
+      kept.resize(M > 1 ? kRowTile * nblocks : 0);
       __m256i* unpacked = kept.data();
       const auto pair_tiles = [&](const auto* ws) {  // the scales as stored: fp32, bf16 bits or fp16
         using S = std::remove_const_t<std::remove_pointer_t<decltype(ws)>>;

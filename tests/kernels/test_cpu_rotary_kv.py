@@ -101,6 +101,28 @@ def test_store_kv_equals_torch_ref_and_skips_padding(dtype, cache_dtype, tokens)
     assert torch.equal(ours, ref)
 
 
+def test_store_kv_rounds_every_kind_of_fp32_to_bf16_as_torch():
+    """fp32 into a bf16 cache 16 (or 8) values at a time and the rest one by one: ties to even
+    both ways, NaNs with payloads and signs, infinities, overflow to infinity, denormals, -0; the
+    bits of torch's cast, and a NaN for each NaN (torch's own NaN bits differ between its scalar
+    and vector casts: 0x7FC0 or 0xFFFF); 20 values a slot, a vector and a tail."""
+    specials = torch.tensor([0x3F808000, 0x3F818000, 0x3F807FFF, 0x7FC00001, 0xFFA00000, 0x7F800001, 0x7F800000,
+                             0xFF800000, 0x7F7FFFFF, 0x00000001, 0x80008000, 0x80000000, 0x3F80C000, 0x00018000],
+                            dtype=torch.int64).to(torch.int32).view(torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(2, 7, 1, 20, generator=gen)
+    values.view(-1)[torch.randperm(values.numel(), generator=gen)[:4 * len(specials)]] = specials.repeat(4)
+    k, v = values[0], values[1]
+    cache = make_cache(2, 4, 1, 20, torch.bfloat16)
+    slots = torch.arange(7)
+    ours, ref = cache.clone(), cache.clone()
+    cpu_native.store_kv(k, v, ours, slots)
+    torch_ref.store_kv(k, v, ref, slots)
+    nan = ref.isnan()
+    assert torch.equal(ours.isnan(), nan) and nan.sum() == values.isnan().sum() > 0
+    assert torch.equal(ours.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
 def test_store_kv_rejects_bad_input_with_a_message():
     _, k, v = qkv_views(3, 4, 2, 16, torch.float32)
     cache = make_cache(2, 4, 2, 16, torch.float32)

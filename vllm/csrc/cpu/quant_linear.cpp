@@ -887,7 +887,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     if (bf16_out) {
       uint16_t* ob = static_cast<uint16_t*>(out.data_ptr());
       for (int64_t m = 0; m < M; ++m)
-        for (n = begin; n < end; ++n) ob[m * N + n] = vllm_cpu_bits::narrow<uint16_t>(op[m * N + n]);
+        vllm_cpu_bits::narrow_row(ob + m * N + begin, op + m * N + begin, end - begin);
     }
   });
 }

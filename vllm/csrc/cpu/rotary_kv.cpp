@@ -171,9 +171,7 @@ void store_kv(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   }
   const int64_t n = kv_cache.size(3) * kv_cache.size(4);  // values per slot
   store_rows(elements<uint16_t>(kv_cache), key.data_ptr<float>(), value.data_ptr<float>(), key.stride(0),
-             value.stride(0), slot, key.size(0), slots, n, [](uint16_t* dst, const float* src, int64_t count) {
-               for (int64_t i = 0; i < count; ++i) dst[i] = narrow<uint16_t>(src[i]);
-             });
+             value.stride(0), slot, key.size(0), slots, n, narrow_row);
 }
 
 }  // namespace

@@ -58,7 +58,7 @@ class ModelRunner:
             torch.set_num_threads(vllm_config.device_config.cpu_threads)  # process-wide: this is the engine's process
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.device)
         self.model: Optional[torch.nn.Module] = None
         self.lora_manager = None
         self.router = None  # ControlTokenRouter for checkpoints with embedded adapters

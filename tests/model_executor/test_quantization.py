@@ -312,9 +312,12 @@ def test_native_kernel_gives_a_row_the_same_result_in_any_batch(method, k):
     batch, with the nibbles unpacked once for all rows of x)."""
     gen = torch.Generator().manual_seed(3)
     weight, x = q.quantize(torch.randn(101, k, generator=gen), method), torch.randn(16, k, generator=gen)
-    batched = q.quantized_linear(x, weight, None)
-    for i in (0, 5, 15):
-        assert torch.equal(q.quantized_linear(x[i:i + 1], weight, None), batched[i:i + 1])
+    grouped = _weight(method, 101, k, 64, gen) if method == "int8" else None  # int8 in groups of 64 too
+    for w in (weight, grouped) if grouped is not None else (weight,):
+        for rows in (16, 5, 2):  # int8 takes 4+ rows of x (2+ of 2048+ features) two at a time
+            batched = q.quantized_linear(x[:rows], w, None)
+            for i in sorted({0, min(3, rows - 1), rows - 1}):
+                assert torch.equal(q.quantized_linear(x[i:i + 1], w, None), batched[i:i + 1])
 
 
 def test_native_kernel_reuses_its_workspace_across_shapes_and_threads():

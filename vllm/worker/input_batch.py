@@ -101,10 +101,7 @@ def _any_token_counts(
     for i, state in enumerate(states):
         input_ids[cu[i] : cu[i + 1]] = state.token_ids[starts[i] : starts[i] + n[i]]
 
-    max_blocks = max(len(s.block_ids) for s in states)
-    block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
-    for i, state in enumerate(states):
-        block_table[i, : len(state.block_ids)] = state.block_ids
+    block_table = _block_table(states)
     slot_mapping = block_table[req_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     seq_lens = (starts + n).astype(np.int32)
@@ -142,10 +139,7 @@ def _one_token_each(
     Python ints: a decode step's inputs run with caches the step's weights have just evicted,
     where every numpy call costs several times its warm time."""
     positions = [s.num_computed_tokens for s in states]
-    max_blocks = max(len(s.block_ids) for s in states)
-    block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
-    for i, state in enumerate(states):
-        block_table[i, : len(state.block_ids)] = state.block_ids
+    block_table = _block_table(states)
     samples = [i for i, (s, p) in enumerate(zip(states, positions)) if p + 1 >= len(s.token_ids)]
     spans = {i: (i, 1) for i, (s, p) in enumerate(zip(states, positions))
              if s.sampling_params.prompt_logprobs is not None and p < s.num_prompt_tokens - 1}
@@ -168,6 +162,14 @@ def _one_token_each(
         logits_indices=np.array(samples, dtype=np.int64),
         prompt_logprob_spans=spans,
     )
+
+
+def _block_table(states: list[CachedRequestState]) -> np.ndarray:
+    """[num_reqs, max blocks] int32: each request's block ids, zero-padded."""
+    block_table = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int32)
+    for i, state in enumerate(states):
+        block_table[i, : len(state.block_ids)] = state.block_ids
+    return block_table
 
 
 def _lora_mapping(

@@ -860,6 +860,15 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     // while the rows of x pass over it.
     // The first row of x asks long int8 rows' streams ahead; the others find the tile in cache.
     const bool ask = !kInt4 && group != 16 && row_bytes >= kInt8StreamAskMinRowBytes;
+    // f(the scales as dot_blocks and dot_blocks_rows read them: fp32 (none for Q6_K's), bf16 bits, fp16)
+    const auto with_read_scales = [&](const auto& f) {
+      if (sp != nullptr || q6_sc != nullptr)
+        f(sp);
+      else if (read_scales.scalar_type() == at::kBFloat16)
+        f(static_cast<const uint16_t*>(read_scales.data_ptr()));
+      else
+        f(read_scales.data_ptr<c10::Half>());
+    };
     const auto tile = [&](auto rows_tag, int64_t first, int64_t rs) {
       constexpr int kRows = decltype(rows_tag)::value;
       const auto rows_of_x = [&](auto ask_tag, int64_t m) {
@@ -871,12 +880,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               q6_sc == nullptr ? nullptr : q6_sc + first * G,
               q6_sc == nullptr ? nullptr : kq.superblocks + first * (G / 16));
         };
-        if (sp != nullptr || q6_sc != nullptr)
-          run(sp);
-        else if (read_scales.scalar_type() == at::kBFloat16)
-          run(static_cast<const uint16_t*>(read_scales.data_ptr()));
-        else
-          run(read_scales.data_ptr<c10::Half>());
+        with_read_scales(run);
       };
 #ifdef VLLM_QUANT_INT8_ROWS
       if (int8_rows) {  // two rows of x at a time
@@ -895,12 +899,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               rows_at(std::integral_constant<int, 2>{}, std::false_type{}, m);
           if (m < M) rows_at(std::integral_constant<int, 1>{}, std::false_type{}, m);
         };
-        if (sp != nullptr)
-          run(sp);
-        else if (read_scales.scalar_type() == at::kBFloat16)
-          run(static_cast<const uint16_t*>(read_scales.data_ptr()));
-        else
-          run(read_scales.data_ptr<c10::Half>());
+        with_read_scales(run);  // no Q6_K here (groups of 16 take dot_blocks)
         return;
       }
 #endif

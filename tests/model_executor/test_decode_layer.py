@@ -11,9 +11,9 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
-from vllm.model_executor.layers import decode_layer, dense_gemv
+from vllm.model_executor.layers import decode_layer, dense_gemv, quantization
 from tests.utils.adapters import make_adapter
-from tests.utils.native_layers import both_paths, count_native_calls, greedy_run, native_layers
+from tests.utils.native_layers import PROMPTS, both_paths, count_native_calls, greedy_run, native_layers
 
 
 @pytest.mark.parametrize(("arch", "engine"), [
@@ -67,6 +67,17 @@ def test_prefills_and_long_chunks_stay_python(llama_dir, tokenizer, monkeypatch)
     assert len(prompt) > dense_gemv.NATIVE_MAX_ROWS
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert calls == []  # a prefill's rows exceed the few-row kernels
+
+
+def test_quantized_steps_of_many_rows_run_natively(llama_dir, tokenizer, monkeypatch):
+    """int4 linears run natively up to quantization.native_max_rows rows, so an int4 model's
+    layers take steps of as many rows, prompts included: bit for bit the Python layers'."""
+    calls = count_native_calls(monkeypatch)
+    llm = LLM(llama_dir, max_model_len=128, dtype="float32", quantization="int4")
+    prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 3]
+    native, python = both_paths(llm, tokenizer, prompts=prompts)
+    assert all(layer._native_decode.max_rows == quantization.NATIVE_MAX_ROWS_INT4 for layer in native_layers(llm))
+    assert max(calls) > dense_gemv.NATIVE_MAX_ROWS and native == python  # the prompts' step ran natively
 
 
 def test_a_layer_takes_no_more_rows_than_its_linears(llama_dir, tokenizer, monkeypatch):

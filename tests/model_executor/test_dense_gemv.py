@@ -284,7 +284,7 @@ def test_quantized_prefill_tiles_use_fp32_linear(monkeypatch):
     calls = []
     monkeypatch.setattr(q, "fp32_linear", lambda x, w, b: calls.append(w.shape) or F.linear(x, w, b))
     weight = q.quantize(torch.randn(37, 64), "int8")
-    x = torch.randn(q.NATIVE_MAX_ROWS + 1, 64)
+    x = torch.randn(q.native_max_rows(weight) + 1, 64)
     torch.testing.assert_close(q.quantized_linear(x, weight, None), q.reference_linear(x, weight), atol=1e-4, rtol=1e-5)
     assert calls == [(37, 64)]
 

@@ -111,12 +111,13 @@ def _check_kernel(out: torch.Tensor, x: torch.Tensor, weight: q.QuantizedWeight)
 
 
 @pytest.mark.parametrize("method", q.METHODS)
-@pytest.mark.parametrize("rows", [1, 3, 16, 40])  # up to 16: native kernel; beyond: tiled torch
+@pytest.mark.parametrize("rows", [1, 3, 40, "most", "more"])  # up to native_max_rows: native kernel; beyond: torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
     monkeypatch.setattr(q, "TILE_ROWS", 40)  # several tiles over 97 outputs
-    gen = torch.Generator().manual_seed(rows)
+    gen = torch.Generator().manual_seed(len(str(rows)))
     weight = q.quantize(torch.randn(97, 128, generator=gen), method)  # 97: a tail after the 4-row tiles
+    rows = {"most": q.native_max_rows(weight), "more": q.native_max_rows(weight) + 1}.get(rows, rows)
     x = torch.randn(rows, 128, generator=gen).to(dtype)
     bias = torch.randn(97, generator=gen).to(dtype)
     out = q.quantized_linear(x, weight, bias)
@@ -125,6 +126,31 @@ def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
         _check_kernel(out - bias, x, weight)
     else:
         torch.testing.assert_close(out, (q.reference_linear(x, weight) + bias.float()).to(dtype), atol=2e-2, rtol=1e-2)
+
+
+def test_native_rows_follow_the_weight_format(monkeypatch):
+    """Each format's products run the native kernel up to its own row count (the formats whose
+    integer sums need the fewest per-row scalings the furthest), the tiled torch path beyond it;
+    a decode stack of mixed formats takes the fewest rows of its linears."""
+    gen = torch.Generator().manual_seed(0)
+    formats = {"int4": _weight("int4", 37, 512, None, gen), "int8": _weight("int8", 37, 512, None, gen),
+               "Q8_0": _weight("int8", 37, 512, 32, gen), "Q6_K": _q6_k(37, 512, gen), "Q4_K": _kquant(37, 512, gen)}
+    limits = {name: q.native_max_rows(weight) for name, weight in formats.items()}
+    assert limits == {"int4": q.NATIVE_MAX_ROWS_INT4, "int8": q.NATIVE_MAX_ROWS_INT8,
+                      "Q8_0": q.NATIVE_MAX_ROWS_INT8_GROUPED, "Q6_K": q.NATIVE_MAX_ROWS_INT8_GROUPED,
+                      "Q4_K": q.NATIVE_MAX_ROWS_INT4}
+    assert q.NATIVE_MAX_ROWS_INT4 >= q.NATIVE_MAX_ROWS_INT8 >= q.NATIVE_MAX_ROWS_INT8_GROUPED >= 16
+    native = q._native_linear
+    calls = []
+    monkeypatch.setattr(q, "_native_linear", lambda *a: calls.append(a[1].shape[0]) or native(*a))
+    for name, weight in formats.items():
+        for rows in (limits[name], limits[name] + 1):
+            calls.clear()
+            x = torch.randn(rows, 512, generator=gen)
+            expected = q.reference_linear(x, weight)
+            torch.testing.assert_close(q.quantized_linear(x, weight, None), expected, rtol=0,
+                                       atol=1e-5 * expected.abs().max().item())
+            assert calls == ([rows] if rows == limits[name] else []), name
 
 
 # (method, K, group): per channel with a short last activation block, GGUF Q8_0 (32) and Q6_K (16)

@@ -17,7 +17,7 @@ per step for its whole run):
     mixed formats leave (one product per slice, then the bias, as Linear's forward does);
   - its `native_decode_allowed` (True unless a test or benchmark turns the native path off);
   - per step: no more rows than each of its linears takes natively (dense_gemv.layer_rows: the
-    GEMV's rows, and bf16 rows up to 16 where the vdpbf16ps kernel runs; quantization.NATIVE_MAX_ROWS)
+    GEMV's rows, and bf16 rows up to 16 where the vdpbf16ps kernel runs; quantization.native_max_rows)
     in the layer's dtype, no padding rows, and no adapter in the
     step (`punica.meta.has_lora` false: a wrapper then adds nothing to its base layer's product,
     so an engine with --enable-lora decodes base-only steps natively and every step with an
@@ -78,7 +78,7 @@ def _linear_args(linear, slots: int) -> Optional[tuple[list[torch.Tensor], list[
         quantized = linear._quantized
         if len(quantized) > slots or any(q is None for q in quantized) or not quantization.native_available():
             return None
-        tensors, ints, native_rows = [], [], quantization.NATIVE_MAX_ROWS
+        tensors, ints, native_rows = [], [], min(quantization.native_max_rows(q) for q in quantized)
         for i, q in enumerate(quantized):
             optional = [_EMPTY if t is None else t for t in (q.offsets, q.superblocks)]
             tensors += [q.qweight, q.scales, bias if i == 0 else _EMPTY, *optional]

@@ -29,11 +29,12 @@ Invariants:
   - `reference_linear` (x' @ dequantize().T in float64) is the reference: the native kernel and
     the torch path both equal it up to fp32 rounding. Every path rounds the activations, so a
     prompt scored in one prefill and token by token in decodes sees the same numerics.
-  - Few rows (decodes, short chunks) run the native kernel, which reads every weight byte once
-    per call; many rows (prefills) dequantize tiles of `TILE_ROWS` output channels and run a
-    dense fp32 matmul (`dense_gemv.fp32_linear`), where compute dominates anyway; x' comes from the extension's one-pass
-    `round_activations`, bitwise equal to `round_activations` here. Without the native kernel
-    every call takes the tiled torch path.
+  - Up to `native_max_rows(weight)` rows (decodes, batches of them, short chunks) run the native
+    kernel, which reads every weight byte once per call and multiplies integers; more rows
+    (prefills) dequantize tiles of `TILE_ROWS` output channels and run a dense fp32 matmul
+    (`dense_gemv.fp32_linear`), which wins once there are enough rows to spread the dequantizing
+    over; x' comes from the extension's one-pass `round_activations`, bitwise equal to
+    `round_activations` here. Without the native kernel every call takes the tiled torch path.
   - Only the base weights are quantized: LoRA slots and the embedding's lookup table stay in the
     model's dtype. The LM head is quantized too, per output channel int8 under both methods
     (as llama.cpp keeps its output matrix at 6-8 bits): layers/vocab_embedding.py.
@@ -55,7 +56,15 @@ INT4_GROUP = 32
 KQUANT_SUPERBLOCK = 256  # weights per GGUF K-quant superblock (d, dmin)
 ACT_BLOCK = 32  # input features per activation scale
 TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bounds the temporary)
-NATIVE_MAX_ROWS = 16  # up to this many rows of x use the native kernel
+# Rows of x up to which the native kernel runs, by weight format: where it took less time than the
+# tiled torch path, which dequantizes every weight per call (two Zen 4 threads, bf16 x, SmolLM2's
+# and Granite-3.3-2B's shapes). int4 (this file's, GGUF Q4_0 and Q4_K): 0.11-0.71x the time at
+# 256 rows, 0.78-0.82x at 512. int8 per output channel: 0.70-0.85x at 128, 0.94-1.08x at 512. int8
+# in groups (GGUF Q8_0, Q6_K: a scale per 16 or 32 weights to apply per row of x): 0.58-0.68x at
+# 16, 0.96-0.99x at 64.
+NATIVE_MAX_ROWS_INT4 = 256
+NATIVE_MAX_ROWS_INT8 = 128
+NATIVE_MAX_ROWS_INT8_GROUPED = 32
 _SOURCE, _WHAT = "quant_linear.cpp", "CPU quantized-linear kernel"
 
 
@@ -191,8 +200,15 @@ def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out dtypes the kernel takes as they are
 
 
-def _runs_native(x: torch.Tensor) -> bool:
-    return x.is_cpu and x.shape[0] <= NATIVE_MAX_ROWS and native_available()
+def native_max_rows(weight: QuantizedWeight) -> int:
+    """Rows of x up to which `weight`'s products run the native kernel (NATIVE_MAX_ROWS_*)."""
+    if weight.method == "int4":
+        return NATIVE_MAX_ROWS_INT4
+    return NATIVE_MAX_ROWS_INT8 if weight.group == weight.in_features else NATIVE_MAX_ROWS_INT8_GROUPED
+
+
+def _runs_native(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    return x.is_cpu and x.shape[0] <= native_max_rows(weight) and native_available()
 
 
 def _native_linear(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
@@ -207,7 +223,7 @@ def _native_linear(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x: [M, K] in the model dtype -> [M, N] in the model dtype."""
     # Each conversion only when it changes something: this runs on every decode linear.
-    if bias is None and x.dtype in KERNEL_IO_DTYPES and _runs_native(x):
+    if bias is None and x.dtype in KERNEL_IO_DTYPES and _runs_native(x, weight):
         # The kernel reads a bf16 x and writes a bf16 out itself (the values and roundings the
         # conversions below would give), sparing a bf16 model two conversion ops a call.
         out = torch.empty(x.shape[0], weight.qweight.shape[0], dtype=x.dtype)
@@ -216,7 +232,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[to
     xf = x if x.dtype == torch.float32 else x.float()
     if not xf.is_contiguous():
         xf = xf.contiguous()
-    if _runs_native(xf):
+    if _runs_native(xf, weight):
         out = torch.empty(xf.shape[0], weight.qweight.shape[0], dtype=torch.float32)
         _native_linear(out, xf, weight)
     else:

@@ -335,11 +335,13 @@ def test_native_kernel_does_not_depend_on_the_thread_count_or_tiles(method):
 def test_native_kernel_gives_a_row_the_same_result_in_any_batch(method, k):
     """A token decoded alone or among others gets bitwise the same output (x is laid out per row;
     int4's paired path takes tiles of rows spread over the range alone and neighbouring tiles in a
-    batch, with the nibbles unpacked once for all rows of x)."""
+    batch, with the nibbles unpacked once for all rows of x and two rows of x sharing each pass over
+    them, an odd last row alone)."""
     gen = torch.Generator().manual_seed(3)
     weight, x = q.quantize(torch.randn(101, k, generator=gen), method), torch.randn(16, k, generator=gen)
-    grouped = _weight(method, 101, k, 64, gen) if method == "int8" else None  # int8 in groups of 64 too
-    for w in (weight, grouped) if grouped is not None else (weight,):
+    others = {"int8": [_weight(method, 101, k, 64, gen)],  # int8 in groups of 64 too
+              "int4": [_kquant(101, k, gen)] if k % 256 == 0 else []}[method]  # and Q4_K's two-level form
+    for w in [weight, *others]:
         for rows in (16, 5, 2):  # int8 takes 4+ rows of x (2+ of 2048+ features) two at a time
             batched = q.quantized_linear(x[:rows], w, None)
             for i in sorted({0, min(3, rows - 1), rows - 1}):

@@ -509,15 +509,18 @@ inline __m128 scales2(const uint16_t* ws) {
 inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws)); }
 
 // Weight rows n, n + rs, ..., n + (kRows - 1) rs (int4, group 32, an even number of blocks)
-// against one row of x laid out by layout_int4_pairs: out[r * rs] = their sums. Per pair of
-// blocks and row: one load, two masks, one integer dot. Per four pairs and row: their eight
-// blocks' integer sums gathered into one vector (block_sums8: six in-half unpacks, three adds), less
-// x's bias, converted once and multiplied-added once by the eight blocks' scales (weight's times
-// x's, one vector, in the same even-then-odd order). Converting, permuting scales and adding per
-// pair instead measured 5-30% slower at one row of x (one Zen 3 thread, cold and hot; the same
-// within noise at 2-16 rows). The pairs past the last four are scaled one by one.
+// against kX consecutive rows of x laid out by layout_int4_pairs (x[0 .. kX - 1]):
+// out[j * out_stride + r * rs] = their sums. Per pair of blocks and row: one load, two masks, and
+// per row of x one integer dot. Per four pairs, row and row of x: their eight blocks' integer sums
+// gathered into one vector (block_sums8: six in-half unpacks, three adds), less x's bias, converted
+// once and multiplied-added once by the eight blocks' scales (weight's times x's, one vector, in
+// the same even-then-odd order). Converting, permuting scales and adding per pair instead
+// measured 5-30% slower at one row of x (one Zen 3 thread, cold and hot; the same within noise at
+// 2-16 rows). The pairs past the last four are scaled one by one. Two rows of x (kX = 2) share each
+// load, unpacking and scale conversion of the weights; each (row, row of x) runs the same
+// operations in the same order as with one, so its sum is bitwise the same whatever kX.
 // Software prefetch into L2 (prefetch_to_l2: asks into L1 held its few miss buffers), by kAsks:
-//   kTile (neighbouring rows, rs = 1; the first row of x): the weights and scales 8 KB (of
+//   kTile (neighbouring rows, rs = 1; the first rows of x): the weights and scales 8 KB (of
 //     weights) ahead of the tile, in memory order, a tile of short rows being one run of memory
 //     (Granite-3.3-2B's shapes in the engine, int4 decode of 4 rows, one Zen 3 thread: step 259 ->
 //     218 ms against asks into L1; SmolLM2 the same).
@@ -525,19 +528,21 @@ inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws))
 //     scales, the next tiles' rows lying right after this one's. For rows of 512 bytes or more
 //     (quant_linear): Granite-3.3-2B int4 decode step 75 -> 71 ms in the engine (its 8192-feature
 //     rows 30% faster cold alone); SmolLM2's 288-byte rows were 10-20% slower with the asks.
-// With several rows of x, the first also keeps the tile's unpacked nibbles in `unpacked`
-// [kRows, npairs, 2] and the others read them there (kNibbles) instead of unpacking the same
-// weights again (3 of the loop's 11 vector operations; 3-7% faster at 8 rows of x on Zen 3).
+// With more rows of x than one call takes, the first call also keeps the tile's unpacked nibbles
+// in `unpacked` [kRows, npairs, 2] and the others read them there (kNibbles) instead of unpacking
+// the same weights again (3 of the loop's 11 vector operations; 3-7% faster at 8 rows of x on Zen 3).
 enum class Nibbles { kUnpack, kUnpackAndKeep, kKept };
 enum class Asks { kNone, kTile, kStreams };
 
-template <int kRows, Asks kAsks, Nibbles kNibbles, typename S>
-void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t G, const Int4Pairs& x,
-                    int64_t npairs, float* out, __m256i* unpacked, int64_t rs, const float* dd, const uint8_t* mins) {
+template <int kRows, Asks kAsks, Nibbles kNibbles, typename S, int kX = 1>
+void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t G, const Int4Pairs* x,
+                    int64_t npairs, float* out, int64_t out_stride, __m256i* unpacked, int64_t rs, const float* dd,
+                    const uint8_t* mins) {
   constexpr int64_t kScaleBytes = 2 * sizeof(S);  // a row's per pair, against 32 of weights
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  __m256 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[kRows][kX];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kX; ++j) acc[r][j] = _mm256_setzero_ps();
   // kTile: pair p of the tile, 8 KB on.
   const auto ask = [&](int64_t p) {
     if constexpr (kAsks == Asks::kTile) {
@@ -565,21 +570,16 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
   };
   // Q4_K (S = uint8_t): row r's d (0) or dmin (1) of the superblock of pairs p .. p + 3.
   const auto superblock = [&](int r, int64_t p, int which) { return dd[r * rs * (G / 4) + (p / 4) * 2 + which]; };
-  // The int32 lanes of pair p of row r against x, before x's bias comes off.
-  const auto pair_lanes = [&](int64_t p, int r) {
-    __m256i lo, hi;
+  // Pair p of row r unpacked: its low nibbles and its high ones, as dot2_u8_s8 takes them.
+  const auto pair_nibbles = [&](int64_t p, int r, __m256i& lo, __m256i& hi) {
+    __m256i* kept = unpacked + 2 * (r * npairs + p);
     if constexpr (kNibbles == Nibbles::kKept) {
-      const __m256i* kept = unpacked + 2 * (r * npairs + p);
       lo = kept[0], hi = kept[1];
     } else {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * rs * row_bytes + p * kBlock));
       lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-      if constexpr (kNibbles == Nibbles::kUnpackAndKeep) {
-        __m256i* kept = unpacked + 2 * (r * npairs + p);
-        kept[0] = lo, kept[1] = hi;
-      }
+      if constexpr (kNibbles == Nibbles::kUnpackAndKeep) kept[0] = lo, kept[1] = hi;
     }
-    return dot2_u8_s8(lo, x.lo[p], hi, x.hi[p]);
   };
   int64_t p = 0;
 #ifdef VLLM_QUANT_OCTS
@@ -587,8 +587,9 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
   // a vector, sixteen blocks' sums scaled at once (kept nibbles: two pairs' lo, then their hi).
   // Half the instructions of two fours; one Zen 4 thread, alone: hot 0.76-0.95x the time, cold
   // 0.89-0.99x, four rows of x (bound by arithmetic) 0.80-0.94x; two threads cold 0.96-1.01x.
-  __m512 acc16[kRows];
-  for (int r = 0; r < kRows; ++r) acc16[r] = _mm512_setzero_ps();
+  __m512 acc16[kRows][kX];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kX; ++j) acc16[r][j] = _mm512_setzero_ps();
   if constexpr (!std::is_same_v<S, uint8_t>) {
     const __m512i mask16 = _mm512_set1_epi8(0x0F);
     for (; p + 8 <= npairs; p += 8) {
@@ -597,32 +598,35 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
       ask_streams(p);
       ask_streams(p + 4);
       for (int r = 0; r < kRows; ++r) {
-        const __m512 d16 = _mm512_mul_ps(x.xs16[o], scales16(ws + r * rs * G + 2 * p));
-        __m512i lanes[4];
+        const __m512 s16 = scales16(ws + r * rs * G + 2 * p);
+        __m512i lo[4], hi[4];
         for (int q = 0; q < 4; ++q) {
-          __m512i lo, hi;
           __m512i* kept = reinterpret_cast<__m512i*>(unpacked + 2 * (r * npairs + p + 2 * q));
           if constexpr (kNibbles == Nibbles::kKept) {
-            lo = _mm512_loadu_si512(kept), hi = _mm512_loadu_si512(kept + 1);
+            lo[q] = _mm512_loadu_si512(kept), hi[q] = _mm512_loadu_si512(kept + 1);
           } else {
             const __m512i w = _mm512_loadu_si512(rows + r * rs * row_bytes + (p + 2 * q) * kBlock);
-            lo = _mm512_and_si512(w, mask16), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask16);
+            lo[q] = _mm512_and_si512(w, mask16), hi[q] = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask16);
             if constexpr (kNibbles == Nibbles::kUnpackAndKeep) {
-              _mm512_storeu_si512(kept, lo);
-              _mm512_storeu_si512(kept + 1, hi);
+              _mm512_storeu_si512(kept, lo[q]);
+              _mm512_storeu_si512(kept + 1, hi[q]);
             }
           }
-          lanes[q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x.lo2[4 * o + q]), hi,
-                                         x.hi2[4 * o + q]);
         }
-        const __m512i sums = _mm512_sub_epi32(block_sums16(lanes), x.bias16[o]);
-        acc16[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), d16, acc16[r]);
+        for (int j = 0; j < kX; ++j) {
+          const __m512 d16 = _mm512_mul_ps(x[j].xs16[o], s16);
+          __m512i lanes[4];
+          for (int q = 0; q < 4; ++q)
+            lanes[q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[q], x[j].lo2[4 * o + q]),
+                                           hi[q], x[j].hi2[4 * o + q]);
+          const __m512i sums = _mm512_sub_epi32(block_sums16(lanes), x[j].bias16[o]);
+          acc16[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), d16, acc16[r][j]);
+        }
       }
     }
   }
 #endif
   for (; p + 4 <= npairs; p += 4) {
-    const __m256 xs8 = x.xs8[p / 4];
     for (int q = 0; q < 4; ++q) ask(p + q);
     ask_streams(p);
     for (int r = 0; r < kRows; ++r) {
@@ -635,13 +639,17 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
         const __m256 m8 = scales8_even_odd(mins + r * rs * G + 2 * p);
         const __m256 off8 = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.f), s8),
                                           _mm256_mul_ps(_mm256_set1_ps(superblock(r, p, 1)), m8));
-        acc[r] = _mm256_fmadd_ps(off8, x.gsums8[p / 4], acc[r]);
+        for (int j = 0; j < kX; ++j) acc[r][j] = _mm256_fmadd_ps(off8, x[j].gsums8[p / 4], acc[r][j]);
       }
-      const __m256 d8 = _mm256_mul_ps(xs8, s8);
-      __m256i lanes[4];
-      for (int q = 0; q < 4; ++q) lanes[q] = pair_lanes(p + q, r);
-      const __m256i sums = _mm256_sub_epi32(block_sums8(lanes), x.bias8[p / 4]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d8, acc[r]);
+      __m256i lo[4], hi[4];
+      for (int q = 0; q < 4; ++q) pair_nibbles(p + q, r, lo[q], hi[q]);
+      for (int j = 0; j < kX; ++j) {
+        const __m256 d8 = _mm256_mul_ps(x[j].xs8[p / 4], s8);
+        __m256i lanes[4];
+        for (int q = 0; q < 4; ++q) lanes[q] = dot2_u8_s8(lo[q], x[j].lo[p + q], hi[q], x[j].hi[p + q]);
+        const __m256i sums = _mm256_sub_epi32(block_sums8(lanes), x[j].bias8[p / 4]);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d8, acc[r][j]);
+      }
     }
   }
   // The pairs past the last four (up to three; one on SmolLM2's 576 features), one at a time. A
@@ -650,19 +658,25 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
     const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // block 2p's scale, then 2p + 1's
     for (; p < npairs; ++p) {
       ask(p);
-      const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x.xs + 2 * p));
       for (int r = 0; r < kRows; ++r) {
-        const __m128 d2 = _mm_mul_ps(x2, scales2(ws + r * rs * G + 2 * p));
-        const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), halves);
-        const __m256i s = _mm256_sub_epi32(pair_lanes(p, r), x.bias[p]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r]);
+        const __m128 s2 = scales2(ws + r * rs * G + 2 * p);
+        __m256i lo, hi;
+        pair_nibbles(p, r, lo, hi);
+        for (int j = 0; j < kX; ++j) {
+          const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x[j].xs + 2 * p));
+          const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(x2, s2)), halves);
+          const __m256i s = _mm256_sub_epi32(dot2_u8_s8(lo, x[j].lo[p], hi, x[j].hi[p]), x[j].bias[p]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r][j]);
+        }
       }
     }
   }
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kX; ++j)
 #ifdef VLLM_QUANT_OCTS
-  for (int r = 0; r < kRows; ++r) out[r * rs] = hsum(acc[r]) + _mm512_reduce_add_ps(acc16[r]);
+      out[j * out_stride + r * rs] = hsum(acc[r][j]) + _mm512_reduce_add_ps(acc16[r][j]);
 #else
-  for (int r = 0; r < kRows; ++r) out[r * rs] = hsum(acc[r]);
+      out[j * out_stride + r * rs] = hsum(acc[r][j]);
 #endif
 }
 #endif
@@ -919,7 +933,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         using S = std::remove_const_t<std::remove_pointer_t<decltype(ws)>>;
         // Weight rows first, first + rs, ... against row m of x.
         const auto call = [&](auto kernel, int64_t first, int64_t rs, int64_t m) {
-          kernel(qp + first * row_bytes, row_bytes, ws + first * G, G, pairs[m], nblocks / 2, op + m * N + first,
+          kernel(qp + first * row_bytes, row_bytes, ws + first * G, G, &pairs[m], nblocks / 2, op + m * N + first, N,
                  unpacked, rs, kq.superblocks == nullptr ? nullptr : kq.superblocks + first * (G / 4),
                  kq.mins == nullptr ? nullptr : kq.mins + first * G);
         };
@@ -937,10 +951,17 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
           for (; n < end; ++n) call(dot_int4_pairs<1, Asks::kNone, Nibbles::kUnpack, S>, n, 1, 0);
           return;
         }
+        // Rows of x two at a time, the first two unpacking the tile (and keeping it for the others).
         const auto rows_of_x = [&](auto rows_tag, int64_t first) {
           constexpr int kRows = decltype(rows_tag)::value;
-          call(dot_int4_pairs<kRows, Asks::kTile, Nibbles::kUnpackAndKeep, S>, first, 1, 0);
-          for (int64_t m = 1; m < M; ++m) call(dot_int4_pairs<kRows, Asks::kNone, Nibbles::kKept, S>, first, 1, m);
+          if (M == 2) {
+            call(dot_int4_pairs<kRows, Asks::kTile, Nibbles::kUnpack, S, 2>, first, 1, 0);
+            return;
+          }
+          call(dot_int4_pairs<kRows, Asks::kTile, Nibbles::kUnpackAndKeep, S, 2>, first, 1, 0);
+          int64_t m = 2;
+          for (; m + 2 <= M; m += 2) call(dot_int4_pairs<kRows, Asks::kNone, Nibbles::kKept, S, 2>, first, 1, m);
+          if (m < M) call(dot_int4_pairs<kRows, Asks::kNone, Nibbles::kKept, S, 1>, first, 1, m);
         };
         for (; n + kRowTile <= end; n += kRowTile) rows_of_x(vllm_cpu_bits::RowTile<kRowTile>{}, n);
         for (; n < end; ++n) rows_of_x(vllm_cpu_bits::RowTile<1>{}, n);

@@ -350,9 +350,9 @@ def test_native_kernel_gives_a_row_the_same_result_in_any_batch(method, k):
 
 def test_native_kernel_reuses_its_workspace_across_shapes_and_threads():
     """x's layout lives in a per-thread workspace kept from call to call: a call after others of
-    larger and smaller shapes, batches, output dtypes, with and without Q4_K's offsets, gives
-    bitwise what the same call gives first on a thread of its own; so do calls racing on two
-    threads."""
+    larger and smaller shapes, batches (one whose buffers outgrow what a thread keeps, freed after
+    it), output dtypes, with and without Q4_K's offsets, gives bitwise what the same call
+    gives first on a thread of its own; so do calls racing on two threads."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -360,10 +360,12 @@ def test_native_kernel_reuses_its_workspace_across_shapes_and_threads():
     int4_576, int4_6144 = (q.quantize(torch.randn(67, k, generator=gen), "int4") for k in (576, 6144))
     int8_576 = q.quantize(torch.randn(45, 576, generator=gen), "int8")
     q4k = _kquant(29, 2048, gen)
+    wide = q.quantize(torch.randn(8200, 256, generator=gen), "int4")  # 2048 rows: 67 MB of bf16 out's sums
     calls = [(w, torch.randn(rows, w.in_features, generator=gen).to(dtype))
              for w, rows, dtype in ((int4_6144, 5, torch.float32), (int4_576, 1, torch.bfloat16),
                                     (q4k, 3, torch.float32), (int4_576, 7, torch.float32),
-                                    (int8_576, 2, torch.bfloat16), (q4k, 1, torch.bfloat16),
+                                    (int8_576, 2, torch.bfloat16), (wide, 2048, torch.bfloat16),
+                                    (q4k, 1, torch.bfloat16),
                                     (int4_6144, 1, torch.float32))]
     def run(call):
         return q.quantized_linear(call[1], call[0], None)

@@ -100,6 +100,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // activation block, and the int4 packing block
 constexpr int kRowTile = 4;     // weight rows the vector path runs side by side
+constexpr int64_t kPrepRowsPerTask = 32;  // rows of x a thread quantizes and lays out at a time
 // Rows from which one row of x asks each spread int4 row's stream ahead (Asks::kStreams).
 constexpr int64_t kStreamAskMinRowBytes = 512;
 // int8 rows from which one row of x asks each row's stream ahead (dot_blocks' kAsk): shorter ones
@@ -532,6 +533,16 @@ inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws))
 // in `unpacked` [kRows, npairs, 2] and the others read them there (kNibbles) instead of unpacking
 // the same weights again (3 of the loop's 11 vector operations; 3-7% faster at 8 rows of x on Zen 3).
 enum class Nibbles { kUnpack, kUnpackAndKeep, kKept };
+// A row of x's layout_int4_pairs bytes per pair of blocks (lo, hi, bias; with VLLM_QUANT_OCTS their
+// copies two pairs a vector too), and the layout the rows of x of one pass over a range's weight
+// tiles take at most (several rows of x): many rows' layouts would not stay in L2 while every tile
+// passes over them.
+#ifdef VLLM_QUANT_OCTS
+constexpr int64_t kPairLayoutBytes = 6 * sizeof(__m256i);
+#else
+constexpr int64_t kPairLayoutBytes = 3 * sizeof(__m256i);
+#endif
+constexpr int64_t kXChunkBytes = 512 * 1024;
 enum class Asks { kNone, kTile, kStreams };
 
 template <int kRows, Asks kAsks, Nibbles kNibbles, typename S, int kX = 1>
@@ -775,13 +786,26 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 struct Workspace {
   std::vector<int8_t> xq;       // [M, K]
   std::vector<float> xs;        // [M, ceil(K / 32)]
-  std::vector<float> widened;   // one row of a bf16 x at a time
   std::vector<float> gsums;     // [M, G] (group_sums), where weights have offsets
   std::vector<float> sums;      // [M, N] fp32 sums of a bf16 out
   std::vector<uint8_t> xu;      // [M, K] xq + 128 (dot_blocks_rows), int8 with several rows only
 #ifdef VLLM_QUANT_AVX2
   std::vector<Int4Pairs> pairs; // one per row of x, paired int4 only
 #endif
+
+  // After a call: buffers a long prompt's rows grew (hundreds of MB at thousands of rows) are
+  // freed rather than held for the thread's lifetime; a decode batch's are kept for the next call.
+  void trim() {
+    constexpr size_t kKeptBytes = size_t{64} << 20;
+    const auto drop = [&](auto& v, size_t bytes) {
+      if (bytes > kKeptBytes) std::decay_t<decltype(v)>().swap(v);
+    };
+    const auto bytes = [](const auto& v) { return v.capacity() * sizeof(typename std::decay_t<decltype(v)>::value_type); };
+    drop(xq, bytes(xq)), drop(xs, bytes(xs)), drop(gsums, bytes(gsums)), drop(sums, bytes(sums)), drop(xu, bytes(xu));
+#ifdef VLLM_QUANT_AVX2
+    drop(pairs, pairs.empty() ? 0 : pairs.size() * pairs[0].lo.capacity() * kPairLayoutBytes);
+#endif
+  }
 };
 
 Workspace& calling_thread_workspace() {
@@ -798,18 +822,22 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   Workspace& work = calling_thread_workspace();
   std::vector<int8_t>& xq = work.xq;
   std::vector<float>& xs = work.xs;
-  std::vector<float>& widened = work.widened;
   xq.resize(M * K), xs.resize(M * nblocks);
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
-  widened.resize(bf16_x ? K : 0);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = bf16_x ? widened.data() : x.data_ptr<float>() + m * K;
-    if (bf16_x) {
-      const uint16_t* bits = static_cast<const uint16_t*>(x.data_ptr()) + m * K;
-      for (int64_t k = 0; k < K; ++k) widened[k] = vllm_cpu_bits::widen(bits[k]);
+  // x's rows quantized (and laid out below) on the intra-op threads where there are many (a
+  // prompt's); a decode's few run on the calling thread as before.
+  at::parallel_for(0, M, kPrepRowsPerTask, [&](int64_t m0, int64_t m1) {
+    thread_local std::vector<float> widened;  // one row of a bf16 x at a time
+    widened.resize(bf16_x ? K : 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = bf16_x ? widened.data() : x.data_ptr<float>() + m * K;
+      if (bf16_x) {
+        const uint16_t* bits = static_cast<const uint16_t*>(x.data_ptr()) + m * K;
+        for (int64_t k = 0; k < K; ++k) widened[k] = vllm_cpu_bits::widen(bits[k]);
+      }
+      quantize_row(xr, K, xq.data() + m * K, xs.data() + m * nblocks);
     }
-    quantize_row(xr, K, xq.data() + m * K, xs.data() + m * nblocks);
-  }
+  });
   const bool has_offsets = offsets != nullptr || kq.mins != nullptr;
   std::vector<float>& gsums = work.gsums;
   if (has_offsets) group_sums(xq.data(), xs.data(), M, K, group, gsums);
@@ -837,9 +865,13 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   // one process), SmolLM2's 1-5%. Several rows of x: neighbouring tiles of four, asked ahead,
   // their nibbles unpacked once for all rows of x; there the loop is bound by arithmetic, and
   // spread rows measured 5-25% slower. A row's sums are the same either way.
-  for (int64_t m = 0; m < static_cast<int64_t>(pairs.size()); ++m)
-    layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m],
-                      kq.superblocks != nullptr ? gsums.data() + m * G : nullptr);
+  // Rows of x per pass over the weight tiles (several rows): as many as kXChunkBytes of layout.
+  const int64_t x_chunk = std::max<int64_t>(2, kXChunkBytes / std::max<int64_t>(1, nblocks * kPairLayoutBytes / 2));
+  at::parallel_for(0, static_cast<int64_t>(pairs.size()), kPrepRowsPerTask, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m],
+                        kq.superblocks != nullptr ? gsums.data() + m * G : nullptr);
+  });
 #else
   const int64_t k_vector = 0;
 #endif
@@ -951,20 +983,29 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
           for (; n < end; ++n) call(dot_int4_pairs<1, Asks::kNone, Nibbles::kUnpack, S>, n, 1, 0);
           return;
         }
-        // Rows of x two at a time, the first two unpacking the tile (and keeping it for the others).
-        const auto rows_of_x = [&](auto rows_tag, int64_t first) {
+        // Rows m0 .. m1 - 1 of x two at a time, the first two unpacking the tile (and keeping it
+        // for the others where there are more).
+        const auto rows_of_x = [&](auto rows_tag, int64_t first, int64_t m0, int64_t m1) {
           constexpr int kRows = decltype(rows_tag)::value;
-          if (M == 2) {
-            call(dot_int4_pairs<kRows, Asks::kTile, Nibbles::kUnpack, S, 2>, first, 1, 0);
+          if (m1 - m0 <= 2) {
+            if (m1 - m0 == 2)
+              call(dot_int4_pairs<kRows, Asks::kTile, Nibbles::kUnpack, S, 2>, first, 1, m0);
+            else
+              call(dot_int4_pairs<kRows, Asks::kTile, Nibbles::kUnpack, S, 1>, first, 1, m0);
             return;
           }
-          call(dot_int4_pairs<kRows, Asks::kTile, Nibbles::kUnpackAndKeep, S, 2>, first, 1, 0);
-          int64_t m = 2;
-          for (; m + 2 <= M; m += 2) call(dot_int4_pairs<kRows, Asks::kNone, Nibbles::kKept, S, 2>, first, 1, m);
-          if (m < M) call(dot_int4_pairs<kRows, Asks::kNone, Nibbles::kKept, S, 1>, first, 1, m);
+          call(dot_int4_pairs<kRows, Asks::kTile, Nibbles::kUnpackAndKeep, S, 2>, first, 1, m0);
+          int64_t m = m0 + 2;
+          for (; m + 2 <= m1; m += 2) call(dot_int4_pairs<kRows, Asks::kNone, Nibbles::kKept, S, 2>, first, 1, m);
+          if (m < m1) call(dot_int4_pairs<kRows, Asks::kNone, Nibbles::kKept, S, 1>, first, 1, m);
         };
-        for (; n + kRowTile <= end; n += kRowTile) rows_of_x(vllm_cpu_bits::RowTile<kRowTile>{}, n);
-        for (; n < end; ++n) rows_of_x(vllm_cpu_bits::RowTile<1>{}, n);
+        // The rows of x in chunks whose layout stays in L2 while every tile of the range passes
+        // over it; the tiles' weights are read again per chunk, from L3 or memory.
+        for (int64_t m0 = 0; m0 < M; m0 += x_chunk) {
+          const int64_t m1 = std::min(M, m0 + x_chunk);
+          for (n = begin; n + kRowTile <= end; n += kRowTile) rows_of_x(vllm_cpu_bits::RowTile<kRowTile>{}, n, m0, m1);
+          for (; n < end; ++n) rows_of_x(vllm_cpu_bits::RowTile<1>{}, n, m0, m1);
+        }
       };
       if (kq.superblocks != nullptr)
         pair_tiles(scales.data_ptr<uint8_t>());
@@ -1004,6 +1045,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         vllm_cpu_bits::narrow_row(ob + m * N + begin, op + m * N + begin, end - begin);
     }
   });
+  work.trim();
 }
 
 // out = x' (xs * xq per element, fp32) for the torch path's dense matmuls, one pass over x.

@@ -58,13 +58,14 @@ ACT_BLOCK = 32  # input features per activation scale
 TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bounds the temporary)
 # Rows of x up to which the native kernel runs, by weight format: where it took less time than the
 # tiled torch path, which dequantizes every weight per call (two Zen 4 threads, bf16 x, SmolLM2's
-# and Granite-3.3-2B's shapes). int4 (this file's, GGUF Q4_0 and Q4_K; two rows of x a pass, rows
-# in L2-sized chunks): 0.34-0.80x the time at 512 rows, 0.49-0.93x at 2048. int8 per output
-# channel: 0.70-0.85x at 128, 0.94-1.08x at 512. int8 in groups (GGUF Q8_0, Q6_K: a scale per 16
-# or 32 weights to apply per row of x): 0.58-0.68x at 16, 0.96-0.99x at 64.
+# and Granite-3.3-2B's shapes; the larger the weight, the more a call's dequantizing costs). int4
+# (this file's, GGUF Q4_0 and Q4_K; two rows of x a pass, rows in L2-sized chunks): 0.34-0.80x the
+# time at 512 rows, 0.49-0.93x at 2048. int8 per output channel: 0.33-0.95x at 256, 0.49-1.08x at
+# 512. int8 in groups (GGUF Q8_0, Q6_K: a scale per 16 or 32 weights to apply per row of x):
+# 0.18-0.99x at 64, 0.36-0.96x at 128, 0.57-1.55x at 256.
 NATIVE_MAX_ROWS_INT4 = 2048
-NATIVE_MAX_ROWS_INT8 = 128
-NATIVE_MAX_ROWS_INT8_GROUPED = 32
+NATIVE_MAX_ROWS_INT8 = 256
+NATIVE_MAX_ROWS_INT8_GROUPED = 64
 _SOURCE, _WHAT = "quant_linear.cpp", "CPU quantized-linear kernel"
 
 

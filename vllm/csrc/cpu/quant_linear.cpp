@@ -583,13 +583,13 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
   const auto superblock = [&](int r, int64_t p, int which) { return dd[r * rs * (G / 4) + (p / 4) * 2 + which]; };
   // Pair p of row r unpacked: its low nibbles and its high ones, as dot2_u8_s8 takes them.
   const auto pair_nibbles = [&](int64_t p, int r, __m256i& lo, __m256i& hi) {
-    __m256i* kept = unpacked + 2 * (r * npairs + p);
     if constexpr (kNibbles == Nibbles::kKept) {
-      lo = kept[0], hi = kept[1];
+      lo = unpacked[2 * (r * npairs + p)], hi = unpacked[2 * (r * npairs + p) + 1];
     } else {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * rs * row_bytes + p * kBlock));
       lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-      if constexpr (kNibbles == Nibbles::kUnpackAndKeep) kept[0] = lo, kept[1] = hi;
+      if constexpr (kNibbles == Nibbles::kUnpackAndKeep)
+        unpacked[2 * (r * npairs + p)] = lo, unpacked[2 * (r * npairs + p) + 1] = hi;
     }
   };
   int64_t p = 0;
@@ -612,15 +612,16 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
         const __m512 s16 = scales16(ws + r * rs * G + 2 * p);
         __m512i lo[4], hi[4];
         for (int q = 0; q < 4; ++q) {
-          __m512i* kept = reinterpret_cast<__m512i*>(unpacked + 2 * (r * npairs + p + 2 * q));
+          // kept: two pairs' lo, then their hi
+          const auto kept = [&] { return reinterpret_cast<__m512i*>(unpacked + 2 * (r * npairs + p + 2 * q)); };
           if constexpr (kNibbles == Nibbles::kKept) {
-            lo[q] = _mm512_loadu_si512(kept), hi[q] = _mm512_loadu_si512(kept + 1);
+            lo[q] = _mm512_loadu_si512(kept()), hi[q] = _mm512_loadu_si512(kept() + 1);
           } else {
             const __m512i w = _mm512_loadu_si512(rows + r * rs * row_bytes + (p + 2 * q) * kBlock);
             lo[q] = _mm512_and_si512(w, mask16), hi[q] = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask16);
             if constexpr (kNibbles == Nibbles::kUnpackAndKeep) {
-              _mm512_storeu_si512(kept, lo[q]);
-              _mm512_storeu_si512(kept + 1, hi[q]);
+              _mm512_storeu_si512(kept(), lo[q]);
+              _mm512_storeu_si512(kept() + 1, hi[q]);
             }
           }
         }

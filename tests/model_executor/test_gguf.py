@@ -62,6 +62,7 @@ FILES = {
     "F32": lambda name, w: T.F32,
     "Q8_0": lambda name, w: T.Q8_0,
     "Q4_0": lambda name, w: T.Q4_0,
+    "Q4_1": lambda name, w: T.Q4_1,
     "Q4_K_M": q4_k_m,
 }
 
@@ -116,7 +117,7 @@ def prompt_logprobs(llm, ids, lora_request=None) -> torch.Tensor:
     return torch.tensor([out[i][ids[i]].logprob for i in range(1, len(ids))])
 
 
-@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K])
 def test_each_block_format_decodes_to_gguf_values_and_stays_packed(qtype, tmp_path):
     w = np.random.RandomState(0).randn(16, 512).astype(np.float32) * 0.2
     path = str(tmp_path / "one.gguf")
@@ -129,7 +130,7 @@ def test_each_block_format_decodes_to_gguf_values_and_stays_packed(qtype, tmp_pa
     tensor = gguf.GGUFReader(path).tensors[0]
     expected = gguf.quants.dequantize(tensor.data, qtype)
     # The test encoders write llama.cpp's layouts: gguf-py reads back w to within a quantization step.
-    step = {T.Q4_0: 1 / 8, T.Q4_K: 2 / 15, T.Q6_K: 1 / 31}.get(qtype, 1 / 127)
+    step = {T.Q4_0: 1 / 8, T.Q4_1: 1 / 15, T.Q4_K: 2 / 15, T.Q6_K: 1 / 31}.get(qtype, 1 / 127)
     assert np.abs(expected - w).max() <= step * np.abs(w).max()
     decoded = gguf_loader._decode(tensor)
     if qtype.name in gguf_loader.DENSE_TYPES:
@@ -162,8 +163,8 @@ def test_engine_on_a_gguf_file_matches_transformers(kind, gguf_files):
     for name, layer in linears.items():
         parent, leaf = name.rsplit(".", 1)
         refs = [hf_modules[f"{parent}.{sub}"] for sub in model.packed_modules_mapping.get(leaf, [leaf])]
-        x = torch.randn(40, layer.input_size, generator=gen)
-        for rows in (x[:3], x):  # the native kernel's row counts, then the tiled path's
+        x = torch.randn(q.NATIVE_MAX_ROWS_INT4 + 1, layer.input_size, generator=gen)
+        for rows in (x[:3], x[:40], x):  # the native kernel's row counts, then (past every format's) the tiled path's
             xr = q.round_activations(rows) if quantized else rows
             expected = torch.cat([F.linear(xr, ref.weight, ref.bias) for ref in refs], dim=1)
             torch.testing.assert_close(layer(rows), expected, atol=2e-5, rtol=1e-5)
@@ -194,7 +195,7 @@ def test_engine_on_a_gguf_file_matches_transformers(kind, gguf_files):
 
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K_M", "qwen2-Q8_0", "qwen2-Q4_K_M"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "qwen2-Q8_0", "qwen2-Q4_K_M"])
 def test_slices_of_one_format_are_stacked_and_decode_natively(kind, gguf_files):
     """A file stores q/k/v and gate/up apart; slices of one format become one weight (one kernel
     call, the same values as the slices side by side, bit for bit) and a decoder layer of such
@@ -236,7 +237,7 @@ def test_auto_dtype_takes_a_16_bit_file_as_a_16_bit_checkpoint(qtype, stored, hf
 
 
 @pytest.mark.parametrize(("kind", "dtype"), [("Q4_K_M", "float32"), ("Q4_K_M", "bfloat16"), ("Q4_0", "float32"),
-                                           ("qwen2-Q4_K_M", "float32"), ("qwen2-Q4_K_M", "bfloat16")])
+                                           ("Q4_1", "bfloat16"), ("qwen2-Q4_K_M", "float32"), ("qwen2-Q4_K_M", "bfloat16")])
 def test_gguf_layers_decode_natively_with_the_python_layers_bits(kind, dtype, gguf_files, tokenizer, monkeypatch):
     """Q4_K's offsets in the int4 kernel, q/k/v of mixed formats as slices (with Qwen2's biases
     added after them): the native layers give the Python layers' tokens and logprobs bit for bit
@@ -327,7 +328,7 @@ def test_bad_gguf_models_are_refused(gguf_files, tmp_path):
         LLM(gpt2)
     five_bit = _small_file(str(tmp_path / "q5.gguf"), "llama", {"blk.0.attn_q.weight": T.Q5_0})
     with pytest.raises(ValueError, match="'blk.0.attn_q.weight' .* is Q5_0; supported tensor types: F32, F16, BF16, "
-                                         "Q8_0, Q4_0, Q4_K, Q6_K"):
+                                         "Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
         next(gguf_loader.iterate_gguf_weights(five_bit, None))
     mixed = _small_file(str(tmp_path / "mixed.gguf"), "llama", {"blk.0.ffn_gate.weight": T.Q8_0,
                                                                 "blk.0.ffn_up.weight": T.F16})

@@ -13,6 +13,9 @@ Q4_0's d, kept fp16 as stored):
   Q8_0  blocks of 32: fp16 d, int8 q[32]            -> int8, group 32, scale d
   Q4_0  blocks of 32: fp16 d, 16 bytes of nibbles  -> int4 exactly as stored (our int4 is Q4_0's
                                                       layout: byte j = element j | element j+16 << 4)
+  Q4_1  blocks of 32: fp16 d, fp16 m, 16 bytes of nibbles; w = d*q + m, q in 0..15
+                                                   -> int4 as stored, scale d (fp16 as stored),
+                                                      offset m + 8d (fp32, rounded once)
   Q6_K  blocks of 256: ql[128], qh[64], int8 sc[16], fp16 d; w = d*sc*q, q in -32..31
                                                    -> int8, group 16, scale d*sc (exact in fp32),
                                                       kept as d (fp32) and sc (a byte each)
@@ -49,7 +52,7 @@ from vllm.model_executor.layers.quantization import INT4_GROUP, QuantizedWeight
 # transformers' model_type (from general.architecture) -> the model class that serves it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DENSE_TYPES = ("F32", "F16", "BF16")
-QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 # llama.cpp tensor (after "blk.N.") -> HF module (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -195,7 +198,7 @@ def _decode(t) -> Union[torch.Tensor, QuantizedWeight]:
     return _DECODERS[kind](blocks, n, k)
 
 
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q6_K": 210}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:  # [..., 2] bytes -> fp16 [...]
@@ -215,6 +218,13 @@ def _q4_0(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     # d stays fp16, as stored: the int4 kernel reads it so (4.5 bits a weight, not 5).
     return QuantizedWeight("int4", blocks[..., 2:].reshape(n, k // 2).contiguous(),
                            _half(blocks[..., :2]).contiguous(), INT4_GROUP, k)
+
+
+def _q4_1(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    # d * q + m = d * (q - 8) + (m + 8d): Q4_0's nibbles and scale, and a per-group offset.
+    d, m = _half(blocks[..., 0:2]).contiguous(), _fp16(blocks[..., 2:4])
+    return QuantizedWeight("int4", blocks[..., 4:].reshape(n, k // 2).contiguous(), d, INT4_GROUP, k,
+                           (m + 8 * d.float()).contiguous())
 
 
 def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
@@ -246,4 +256,4 @@ def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
                            superblocks=d.contiguous())
 
 
-_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}

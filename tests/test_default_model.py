@@ -126,3 +126,37 @@ def test_engine_answers_and_matches_transformers_logits(converted):
                         use_tqdm=False)[0].prompt_logprobs
     diffs = [abs(ours[p][ids[p]].logprob - ref[p - 1, ids[p]].item()) for p in range(1, len(ids))]
     assert max(diffs) < 1e-4
+
+
+@pytest.mark.slow
+def test_the_wheels_q4_1_file_serves_as_it_is(converted):
+    """The GGUF the default model is converted from loads as a model itself, its Q4_1 tensors
+    packed (int4 with an offset per 32): teacher-forced on the fp32 model's answer, its logprobs
+    stay within int8 activation rounding of the fp32 model's, where --quantization int4 (which
+    rounds those 4-bit values again, onto a symmetric grid) is an order of magnitude off."""
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers.linear import Linear
+
+    _, folder, _ = converted
+    full = LLM(folder, max_model_len=512, dtype="float32")
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    out = full.chat(chat, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(llm) -> list[float]:
+        result = llm.generate([{"prompt_token_ids": ids}], scored, use_tqdm=False)[0].prompt_logprobs
+        return [result[p][ids[p]].logprob for p in range(1, len(ids))]
+
+    def mean_diff(llm) -> float:
+        return sum(abs(a - b) for a, b in zip(logprobs(llm), reference)) / len(reference)
+
+    reference = logprobs(full)
+    del full
+    packed = LLM(default_model._installed_gguf(), max_model_len=512, dtype="float32")
+    linears = [m for m in packed.llm_engine.engine_core.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m._quantized for m in linears)
+    from_file = mean_diff(packed)
+    del packed
+    rerounded = mean_diff(LLM(folder, max_model_len=512, dtype="float32", quantization="int4"))
+    assert from_file < 0.15 and rerounded > 5 * from_file, (from_file, rerounded)

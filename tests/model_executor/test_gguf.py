@@ -33,7 +33,7 @@ from tests.lora.conftest import MAX_NEW, check_against_reference, generate_one
 from tests.utils.adapters import ALL_LINEAR, make_adapter
 from tests.utils.checkpoints import load_hf_model, make_checkpoint
 from tests.utils.gguf_files import encode, write_gguf
-from tests.utils.native_layers import allow_native, both_paths, count_native_calls, greedy_run
+from tests.utils.native_layers import allow_native, both_paths, count_native_calls, greedy_run, native_layers
 from tests.utils.reference import hf_greedy, hf_prompt_logprobs
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
@@ -242,11 +242,15 @@ def test_gguf_layers_decode_natively_with_the_python_layers_bits(kind, dtype, gg
     """Q4_K's offsets in the int4 kernel, q/k/v of mixed formats as slices (with Qwen2's biases
     added after them): the native layers give the Python layers' tokens and logprobs bit for bit
     (both call the same kernels), with batched decode steps (a slice's columns through a buffer)
-    and with one row (written in place)."""
+    and with one row (written in place). A layer takes as many rows as the fewest of its slices'
+    formats run natively (Q4_K_M's layer 0 holds Q6_K slices)."""
     calls = count_native_calls(monkeypatch)
     llm = LLM(gguf_files[kind], max_model_len=128, dtype=dtype)
     native, python = both_paths(llm, tokenizer)
     assert 3 in calls and native == python
+    if kind.endswith("Q4_K_M"):
+        assert [layer._native_decode.max_rows for layer in native_layers(llm)[:2]] == [
+            q.NATIVE_MAX_ROWS_INT8_GROUPED, q.NATIVE_MAX_ROWS_INT4]
     calls.clear()
     one = ["the native layer takes one row"]
     greedy_run(llm, tokenizer, prompts=one)  # fills the prefix cache the two runs below read alike

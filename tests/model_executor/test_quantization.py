@@ -130,8 +130,8 @@ def test_quantized_linear_equals_reference(method, rows, dtype, monkeypatch):
 
 def test_native_rows_follow_the_weight_format(monkeypatch):
     """Each format's products run the native kernel up to its own row count (the formats whose
-    integer sums need the fewest per-row scalings the furthest), the tiled torch path beyond it;
-    a decode stack of mixed formats takes the fewest rows of its linears."""
+    integer sums need the fewest per-row scalings the furthest), the tiled torch path beyond it
+    (a decoder layer of mixed formats: test_gguf.py)."""
     gen = torch.Generator().manual_seed(0)
     formats = {"int4": _weight("int4", 37, 512, None, gen), "int8": _weight("int8", 37, 512, None, gen),
                "Q8_0": _weight("int8", 37, 512, 32, gen), "Q6_K": _q6_k(37, 512, gen), "Q4_K": _kquant(37, 512, gen)}

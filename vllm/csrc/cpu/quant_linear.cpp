@@ -583,13 +583,13 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
   const auto superblock = [&](int r, int64_t p, int which) { return dd[r * rs * (G / 4) + (p / 4) * 2 + which]; };
   // Pair p of row r unpacked: its low nibbles and its high ones, as dot2_u8_s8 takes them.
   const auto pair_nibbles = [&](int64_t p, int r, __m256i& lo, __m256i& hi) {
+    const int64_t kept = 2 * (r * npairs + p);  // an index: `unpacked` is null where nothing is kept
     if constexpr (kNibbles == Nibbles::kKept) {
-      lo = unpacked[2 * (r * npairs + p)], hi = unpacked[2 * (r * npairs + p) + 1];
+      lo = unpacked[kept], hi = unpacked[kept + 1];
     } else {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * rs * row_bytes + p * kBlock));
       lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-      if constexpr (kNibbles == Nibbles::kUnpackAndKeep)
-        unpacked[2 * (r * npairs + p)] = lo, unpacked[2 * (r * npairs + p) + 1] = hi;
+      if constexpr (kNibbles == Nibbles::kUnpackAndKeep) unpacked[kept] = lo, unpacked[kept + 1] = hi;
     }
   };
   int64_t p = 0;

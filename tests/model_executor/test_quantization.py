@@ -15,8 +15,11 @@ import platform
 import shutil
 from typing import Optional
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from tests.lora.conftest import generate_one
 from tests.utils.adapters import load_peft_model, make_adapter
@@ -25,6 +28,7 @@ from tests.utils.checkpoints import load_hf_model
 from tests.utils.reference import hf_greedy
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
+from vllm.model_executor import gguf_loader
 from vllm.model_executor.layers import quantization as q
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.vocab_embedding import HEAD_METHOD, LMHead, VocabEmbedding
@@ -56,6 +60,27 @@ def test_int4_packs_two_per_byte_in_gguf_block_order():
         q.quantize(torch.randn(2, 48), "int4")
     with pytest.raises(ValueError, match="Unknown quantization 'int3'; supported: int8, int4"):
         q.quantize(w, "int3")
+
+
+def test_int4_keeps_a_4_bit_grid_the_weight_already_lies_on():
+    """A weight dequantized from GGUF Q4_1 (d * q + m per 32, q in 0..15: the packaged default
+    model's linears) is kept on its own grid, which the symmetric one cannot hold: in fp32 the
+    Q4_1 file's own tensors, in bf16 the same nibbles with its scales and offsets within bf16's
+    rounding. One weight a third of a step off that grid, and it is rounded symmetrically."""
+    w = np.random.RandomState(0).randn(16, 512).astype(np.float32) * 0.2
+    raw = gguf.quants.quantize(w, GGMLQuantizationType.Q4_1)
+    stored = gguf_loader._q4_1(torch.from_numpy(raw).view(16, -1, 20), 16, 512)
+    checkpoint = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_1))
+    kept = q.quantize(checkpoint, "int4")
+    assert kept.scales.dtype == torch.float16 and kept.nbytes == 16 * 512 // 32 * (16 + 2 + 4)
+    assert all(torch.equal(a, b) for a, b in zip(kept.tensors(), stored.tensors()))
+    from_bf16 = q.quantize(checkpoint.bfloat16(), "int4")
+    assert from_bf16.offsets is not None and torch.equal(from_bf16.qweight, stored.qweight)
+    assert (from_bf16.dequantize() - stored.dequantize()).abs().max() <= 2 ** -8 * checkpoint.abs().max()
+    off = checkpoint.clone()
+    off[3, 40] += stored.group_scales()[3, 1] / 3
+    rounded = q.quantize(off, "int4")
+    assert rounded.offsets is None and rounded.scales.dtype == torch.bfloat16
 
 
 def test_activations_round_per_block_of_32():

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig
+from vllm.logger import init_logger
 from vllm.model_executor.gguf_loader import iterate_gguf_weights
 from vllm.model_executor.hf_files import find_weight_files, iterate_weights
 from vllm.model_executor.layers import decode_layer, dense_gemv, quantization
@@ -30,6 +31,8 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.vocab_embedding import LMHead
 from vllm.model_executor.models import get_model_class
+
+logger = init_logger(__name__)
 
 # Small enough that activations stay well inside bf16 range through many layers.
 DUMMY_WEIGHT_RANGE = 1e-3
@@ -50,6 +53,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         for module in model.modules():
             if isinstance(module, (Linear, LMHead)):
                 module.quantize(model_config.quantization)
+        _log_kept_grids(model)
     if device.type == "cpu" and (model_config.quantization is not None or model_config.gguf_path is not None):
         quantization.native_available()  # build the kernel now, not on the first request
     if device.type == "cpu" and any(hasattr(m, "native_decode_allowed") for m in model.modules()):
@@ -57,6 +61,16 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     if device.type == "cpu" and model_config.dtype == torch.bfloat16:
         dense_gemv.bf16_dot_available()  # and bf16's mid-row linear kernel, where the CPU has AVX512-BF16
     return model.eval()
+
+
+def _log_kept_grids(model: nn.Module) -> None:
+    """Say where int4 at load found weights already on a 4-bit grid and kept them (quantization.py)."""
+    weights = [w for m in model.modules() if isinstance(m, Linear) for w in m.quantized_weights()]
+    kept = sum(w.method == "int4" and w.offsets is not None for w in weights)
+    if kept:
+        logger.info("int4: %d of %d linear weights already lie on a 4-bit grid (a checkpoint dequantized from "
+                    "4 bits) and keep it exactly, with an offset per 32 weights (22 bytes per 32 instead of 18)",
+                    kept, len(weights))
 
 
 def check_not_prequantized(model_config: ModelConfig, hint: str) -> None:

@@ -10,7 +10,12 @@ Semantics (the native kernel vllm/csrc/cpu/quant_linear.cpp computes the same):
           largest magnitude maps to +-7 up to that rounding; a scale is 2 bytes per 16 of
           weights, as GGUF Q4_0's fp16 d, instead of 4: 10% fewer bytes a decode reads, and
           bf16 keeps fp32's range); stored as q + 8, two per byte: in each block of 32, byte j
-          holds element j (low nibble) and element j + 16 (high nibble)
+          holds element j (low nibble) and element j + 16 (high nibble). A weight whose every group
+          already lies on a 16-level grid (within `GRID_TOLERANCE` of its largest magnitude: a
+          checkpoint dequantized from 4 bits, as the packaged default model is from GGUF Q4_1) keeps
+          that grid instead of being rounded onto this one, which cannot hold it: s = (max - min) / 15
+          in fp16, q = round((W - min) / s) - 8, offset min + 8s: Q4_1's own tensors where it came
+          from Q4_1 (22 bytes per 32 weights instead of 18)
     W' = s * q; a quantized layer computes x' @ W'.T + bias, where x' is x (in fp32) rounded per
     row and block of `ACT_BLOCK` (32) input features, the last block possibly shorter:
           xs = max|x[block]| / 127, xq = round(x * (1 / xs)) in [-127, 127] (1 / xs = 0 for an
@@ -66,6 +71,10 @@ TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bound
 NATIVE_MAX_ROWS_INT4 = 2048
 NATIVE_MAX_ROWS_INT8 = 256
 NATIVE_MAX_ROWS_INT8_GROUPED = 64
+# How far (relative to a group's largest magnitude) a group may lie from its min-max 4-bit grid and
+# still count as on it: bf16 rounding moves a weight by at most 2^-9 of it, while a group not on
+# such a grid lies up to half a step (1/30 of its range) away.
+GRID_TOLERANCE = 2 ** -6
 _SOURCE, _WHAT = "quant_linear.cpp", "CPU quantized-linear kernel"
 
 
@@ -156,11 +165,37 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     if k % INT4_GROUP:
         raise ValueError(f"int4 quantization needs input sizes that are multiples of {INT4_GROUP}, got {k}.")
     groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    on_grid = _grid_int4(groups)
+    if on_grid is not None:
+        q, scales, offsets = on_grid
+        return QuantizedWeight("int4", _pack_int4(q), scales, INT4_GROUP, k, offsets)
     scales = (groups.abs().amax(dim=2) / 7).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-    q = torch.round(groups / scales.float()[..., None]).clamp(-8, 7).to(torch.int16) + 8  # [N, K / 32, 32] in 0..15
+    q = torch.round(groups / scales.float()[..., None]).clamp(-8, 7) + 8
+    return QuantizedWeight("int4", _pack_int4(q), scales.contiguous(), INT4_GROUP, k)
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, K / 32, 32] in 0..15 (floating or integer) -> uint8 [N, K / 2], byte j of a block holding
+    element j in its low nibble and element j + 16 in its high one."""
+    q = q.to(torch.int16)
     half = INT4_GROUP // 2
-    packed = (q[..., :half] | (q[..., half:] << 4)).to(torch.uint8).view(n, k // 2)
-    return QuantizedWeight("int4", packed.contiguous(), scales.contiguous(), INT4_GROUP, k)
+    return (q[..., :half] | (q[..., half:] << 4)).to(torch.uint8).view(q.shape[0], -1).contiguous()
+
+
+def _grid_int4(groups: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """groups: fp32 [N, K / 32, 32] -> (q in 0..15, fp16 scales, fp32 offsets), each [N, K / 32(, 32)],
+    where every group lies on its min-max 16-level grid (module docstring), else None."""
+    low, high = groups.amin(dim=2), groups.amax(dim=2)  # [N, G]
+    scales = ((high - low) / 15).to(torch.float16)
+    step = scales.float()
+    if not torch.isfinite(step).all():
+        return None
+    q = torch.round((groups - low[..., None]) / torch.where(step > 0, step, 1)[..., None]).clamp(0, 15)
+    offsets = low + 8 * step
+    error = (step[..., None] * (q - 8) + offsets[..., None] - groups).abs().amax(dim=2)  # [N, G]
+    if (error > GRID_TOLERANCE * groups.abs().amax(dim=2)).any():
+        return None
+    return q, scales.contiguous(), offsets.contiguous()
 
 
 def native_available() -> bool:

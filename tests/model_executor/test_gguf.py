@@ -142,7 +142,7 @@ def test_each_block_format_decodes_to_gguf_values_and_stays_packed(qtype, tmp_pa
     np.testing.assert_allclose(decoded.dequantize().numpy(), expected, rtol=1e-6, atol=1e-7)
     # In memory: the file's bytes give or take the fp32 scales (Q6_K's 6-bit values take a byte each).
     assert decoded.nbytes <= {T.Q6_K: 1.32}.get(qtype, 1.35) * tensor.n_bytes
-    if qtype == T.Q4_0:  # d kept as stored, fp16: exactly the file's bytes
+    if qtype in (T.Q4_0, T.Q4_1):  # d (and m) kept as stored, fp16: exactly the file's bytes
         assert decoded.scales.dtype == torch.float16 and decoded.nbytes == tensor.n_bytes
     if qtype in (T.Q4_K, T.Q6_K):  # their two-level scales kept: d (dmin) in fp32, sc (m) a byte each
         assert decoded.superblocks is not None

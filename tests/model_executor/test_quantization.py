@@ -72,8 +72,9 @@ def test_int4_keeps_a_4_bit_grid_the_weight_already_lies_on():
     stored = gguf_loader._q4_1(torch.from_numpy(raw).view(16, -1, 20), 16, 512)
     checkpoint = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_1))
     kept = q.quantize(checkpoint, "int4")
-    assert kept.scales.dtype == torch.float16 and kept.nbytes == 16 * 512 // 32 * (16 + 2 + 4)
+    assert kept.scales.dtype == kept.offsets.dtype == torch.float16 and kept.nbytes == raw.nbytes  # Q4_1's bytes
     assert all(torch.equal(a, b) for a, b in zip(kept.tensors(), stored.tensors()))
+    assert kept.scales.stride(0) == 2 * 16 and kept.offsets.data_ptr() == kept.scales.data_ptr() + 16 * 2  # beside
     from_bf16 = q.quantize(checkpoint.bfloat16(), "int4")
     assert from_bf16.offsets is not None and torch.equal(from_bf16.qweight, stored.qweight)
     assert (from_bf16.dequantize() - stored.dequantize()).abs().max() <= 2 ** -8 * checkpoint.abs().max()
@@ -205,13 +206,19 @@ def test_native_kernel_on_every_weight_grouping(method, k, group, rows):
 @pytest.mark.parametrize(("k", "group"), [(576, 32), (512, 64), (96, 32), (6144, 32)])  # paired, grouped, per block
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_kernel_adds_gguf_offsets(k, group, rows, dtype):
-    """GGUF Q4_K's offsets (w = s * q + offset of the group) are added by the kernel itself, on every
-    int4 path and with bf16 activations and output; a malformed offsets tensor is refused."""
+@pytest.mark.parametrize("form", ["fp32", "q4_1 mins"])
+def test_int4_kernel_adds_gguf_offsets(k, group, rows, dtype, form):
+    """Per-group offsets (w = s * q + offset of the group) are added by the kernel itself, on every
+    int4 path and with bf16 activations and output: fp32 ones, or GGUF Q4_1's fp16 mins m beside
+    fp16 scales (offset m + 8s; the paired path computes s * stored nibble + m); a malformed offsets
+    tensor is refused."""
     gen = torch.Generator().manual_seed(k + rows)
     base = _weight("int4", 37, k, group, gen)
     offsets = torch.randn(37, k // base.group, generator=gen) / 50
     weight = q.QuantizedWeight("int4", base.qweight, base.scales, base.group, k, offsets)
+    if form == "q4_1 mins":
+        base = q.QuantizedWeight("int4", base.qweight, base.scales.half(), base.group, k)
+        weight = q.QuantizedWeight("int4", base.qweight, base.scales, base.group, k, offsets.half())
     x = torch.randn(rows, k, generator=gen)
     if dtype == torch.float32:
         out = q.quantized_linear(x, weight, None)
@@ -221,9 +228,22 @@ def test_int4_kernel_adds_gguf_offsets(k, group, rows, dtype):
         out = q.quantized_linear(x.to(dtype), weight, None)
         fp32 = q.quantized_linear(x.to(dtype).float(), weight, None)
         assert out.dtype == dtype and torch.equal(out, fp32.to(dtype))
-    with pytest.raises(RuntimeError, match="offsets must be contiguous fp32"):
+    with pytest.raises(RuntimeError, match=r"offsets must be \[N, K / group\] with the scales' row pitch"):
         torch.ops.vllm_quant.linear_int4(torch.empty(rows, 37), x, base.qweight, base.scales, base.group,
-                                         offsets[:, :-1])
+                                         weight.offsets[:, :-1])
+    if form == "q4_1 mins":
+        # Kept side by side, as quantization.py keeps them (each row's scales, then its mins), the
+        # same sums; fp16 mins need fp16 scales, and the scales' row pitch.
+        scales, mins = q.q4_1_scales_and_mins(weight.scales, weight.offsets)
+        assert scales.stride(0) == mins.stride(0) == 2 * scales.shape[1]
+        side_by_side = q.QuantizedWeight("int4", base.qweight, scales, base.group, k, mins)
+        assert torch.equal(q.quantized_linear(x.to(dtype), side_by_side, None), out)
+        with pytest.raises(RuntimeError, match=r"fp32 or \(with fp16 scales\) fp16 mins"):
+            torch.ops.vllm_quant.linear_int4(torch.empty(rows, 37), x, base.qweight, base.scales.float(),
+                                             base.group, weight.offsets)
+        with pytest.raises(RuntimeError, match="the scales' row pitch"):
+            torch.ops.vllm_quant.linear_int4(torch.empty(rows, 37), x, base.qweight, scales, base.group,
+                                             weight.offsets)
 
 
 def _kquant(n: int, k: int, gen: torch.Generator) -> q.QuantizedWeight:
@@ -434,6 +454,10 @@ def test_portable_build_without_avx2_computes_the_same(tmp_path):
     x = torch.randn(3, 576, generator=gen)
     ops.linear_int4(out, x, weight.qweight, weight.scales, 32, weight.offsets)
     _check_kernel(out, x, weight)
+    scales, mins = q.q4_1_scales_and_mins(base.scales.half(), weight.offsets.half())  # fp16 mins, side by side
+    q4_1 = q.QuantizedWeight("int4", base.qweight, scales, 32, 576, mins)
+    ops.linear_int4(out, x, q4_1.qweight, q4_1.scales, 32, q4_1.offsets)
+    _check_kernel(out, x, q4_1)
     kquant = _kquant(37, 512, gen)
     x = torch.randn(3, 512, generator=gen)
     ops.linear_int4(out, x, kquant.qweight, kquant.scales, 32, kquant.offsets, kquant.superblocks)

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from vllm.config import hf_num_kv_heads
-from vllm.model_executor.layers.quantization import INT4_GROUP, QuantizedWeight
+from vllm.model_executor.layers.quantization import INT4_GROUP, QuantizedWeight, q4_1_scales_and_mins
 
 # transformers' model_type (from general.architecture) -> the model class that serves it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -221,10 +221,10 @@ def _q4_0(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
 
 
 def _q4_1(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
-    # d * q + m = d * (q - 8) + (m + 8d): Q4_0's nibbles and scale, and a per-group offset.
-    d, m = _half(blocks[..., 0:2]).contiguous(), _fp16(blocks[..., 2:4])
-    return QuantizedWeight("int4", blocks[..., 4:].reshape(n, k // 2).contiguous(), d, INT4_GROUP, k,
-                           (m + 8 * d.float()).contiguous())
+    # d * q + m = d * (q - 8) + (m + 8d): Q4_0's nibbles and scale, and the mins as stored (fp16),
+    # whose offset m + 8d the kernel forms itself: the file's 20 bytes per 32 weights.
+    d, m = q4_1_scales_and_mins(_half(blocks[..., 0:2]), _half(blocks[..., 2:4]))
+    return QuantizedWeight("int4", blocks[..., 4:].reshape(n, k // 2).contiguous(), d, INT4_GROUP, k, m)
 
 
 def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:

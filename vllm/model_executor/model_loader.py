@@ -69,7 +69,7 @@ def _log_kept_grids(model: nn.Module) -> None:
     kept = sum(w.method == "int4" and w.offsets is not None for w in weights)
     if kept:
         logger.info("int4: %d of %d linear weights already lie on a 4-bit grid (a checkpoint dequantized from "
-                    "4 bits) and keep it exactly, with an offset per 32 weights (22 bytes per 32 instead of 18)",
+                    "4 bits) and keep it exactly, with an fp16 min per 32 weights (20 bytes per 32 instead of 18)",
                     kept, len(weights))
 
 

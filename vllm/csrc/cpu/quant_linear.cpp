@@ -22,6 +22,7 @@
  *     (both fp32, 1 / xs taken as 0 for an all-zero block), clamped to [-127, 127]
  *   out[m, n] = sum_k xs[m, k / 32] * ws[n, k] * xq[m, k] * wq[n, k]   out fp32 or bf16 [M, N]
  *               (+ sum_g offsets[n, g] * gsums[m, g], int4 with offsets: GGUF Q4_K's, fp32 [N, G],
+ *               or GGUF Q4_1's fp16 mins m [N, G] with fp16 scales d, offsets = m + 8d in fp32;
  *               gsums[m, g] = sum of xs * xq over group g: every weight of the group moved by it)
  *     computed as integer sums over each run of k sharing a block and a weight group, each
  *     scaled once and added in fp32 (offsets: Q4_K's per superblock in the paired loop, fp32
@@ -30,7 +31,9 @@
  *     (torch's cast, bit for bit).
  *
  * Shapes: x fp32 or bf16 [M, K] contiguous (bf16 widened exactly: the fp32 values x.float()
- * holds); K a multiple of group. Checked before any work. A bf16 model's decode passes its
+ * holds); K a multiple of group; scales' rows each contiguous but possibly apart, offsets' rows
+ * as far apart (Q4_1's scales and mins side by side per row, one stream: quantization.py's
+ * q4_1_scales_and_mins). Checked before any work. A bf16 model's decode passes its
  * activations and output buffers as they are: no conversion ops around each call.
  *
  * Vector path (AVX2 + FMA + F16C, the compiler targeting them through -march=native): a block of
@@ -188,6 +191,24 @@ VLLM_NO_VECTORIZE float dot_scalar(const uint8_t* row, const float* ws, const in
   return total;
 }
 
+// Per-group offsets of int4 weights other than Q4_K's: fp32 [N, G] as given, or GGUF Q4_1's fp16
+// mins m [N, G] beside fp16 scales d, the group's offset m + 8d (formed in fp32: 8d is exact, so
+// one rounding, as quantization.py's group_offsets forms it). The paired loop adds them itself
+// (dot_int4_pairs; Q4_1's as d q + m there), the other paths after a row's sums (offsets_dot).
+struct Offsets {
+  const float* fp32 = nullptr;
+  const c10::Half* mins = nullptr;
+  const c10::Half* scales = nullptr;  // with mins
+  int64_t pitch = 0;                  // elements from one row's offsets (and those scales) to the next
+
+  bool any() const { return fp32 != nullptr || mins != nullptr; }
+  // The same offsets from row n on.
+  Offsets from_row(int64_t n) const {
+    return {fp32 == nullptr ? nullptr : fp32 + n * pitch, mins == nullptr ? nullptr : mins + n * pitch,
+            scales == nullptr ? nullptr : scales + n * pitch, pitch};
+  }
+};
+
 #ifdef VLLM_QUANT_AVX2
 // 8 int32 lanes, lane i = sum of the products of bytes 4i..4i+3 of u (unsigned) and s (signed).
 // Pairs of products must fit int16, as they do for every caller: 2 * 128 * 127 < 32768.
@@ -223,6 +244,8 @@ inline __m256i block_dot(const uint8_t* row, int64_t b, __m256i x, __m256i x_bia
     return dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));  // |-128| reads as unsigned 128
   }
 }
+
+inline float hsum2(__m128 v) { return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v))); }  // lanes 0 + 1
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -390,6 +413,7 @@ struct Int4Pairs {
   std::vector<__m256> xs8;
   std::vector<__m256> gsums8;  // x' summed per block (group_sums), in xs8's order: what Q4_K's offsets meet
   const float* xs;
+  const float* gsums;  // x' summed per block as they are [2 npairs], where weights have offsets
 #ifdef VLLM_QUANT_OCTS
   // The same two pairs a vector (lo2[t] = [lo[2t], lo[2t + 1]]) over the whole eights of pairs;
   // bias16 and xs16 sixteen blocks (eight pairs) a vector, in block_sums16's order.
@@ -439,7 +463,7 @@ inline __m512 scales16(const c10::Half* ws) {
 
 void layout_int4_pairs(const int8_t* xq, const float* xs, int64_t npairs, Int4Pairs& out, const float* gsums) {
   out.lo.resize(npairs), out.hi.resize(npairs), out.bias.resize(npairs);
-  out.xs = xs;
+  out.xs = xs, out.gsums = gsums;
   const auto half = [&](int64_t offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + offset)); };
   const __m256i eight = _mm256_set1_epi8(8);
   for (int64_t p = 0; p < npairs; ++p) {
@@ -509,7 +533,9 @@ inline __m128 scales2(const uint16_t* ws) {
 }
 inline __m128 scales2(const c10::Half* ws) { return _mm_cvtph_ps(two_halves(ws)); }
 
-// Weight rows n, n + rs, ..., n + (kRows - 1) rs (int4, group 32, an even number of blocks)
+// Weight rows n, n + rs, ..., n + (kRows - 1) rs (int4, group 32, an even number of blocks; their
+// scales, and offsets where given, `pitch` elements from one row to the next: K / 32, or twice that
+// for Q4_1's scales and mins, which quantization.py keeps side by side per row, one memory stream)
 // against kX consecutive rows of x laid out by layout_int4_pairs (x[0 .. kX - 1]):
 // out[j * out_stride + r * rs] = their sums. Per pair of blocks and row: one load, two masks, and
 // per row of x one integer dot. Per four pairs, row and row of x: their eight blocks' integer sums
@@ -546,10 +572,13 @@ constexpr int64_t kXChunkBytes = 512 * 1024;
 enum class Asks { kNone, kTile, kStreams };
 
 template <int kRows, Asks kAsks, Nibbles kNibbles, typename S, int kX = 1>
-void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t G, const Int4Pairs* x,
+void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t pitch, const Int4Pairs* x,
                     int64_t npairs, float* out, int64_t out_stride, __m256i* unpacked, int64_t rs, const float* dd,
-                    const uint8_t* mins) {
+                    const uint8_t* mins, const Offsets& offs) {
   constexpr int64_t kScaleBytes = 2 * sizeof(S);  // a row's per pair, against 32 of weights
+  // Q4_1's mins: d q + m against the stored nibbles q as they are (no 8 x taken off) plus m against
+  // x' summed per block: the same value as d (q - 8) + (m + 8d), two operations fewer a block sum.
+  const bool q4_1_mins = offs.mins != nullptr;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows][kX];
   for (int r = 0; r < kRows; ++r)
@@ -574,13 +603,13 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
         vllm_cpu_bits::prefetch_to_l2(ahead);
         vllm_cpu_bits::prefetch_to_l2(ahead + 64);
         if (p % 32 == 0)
-          vllm_cpu_bits::prefetch_to_l2(reinterpret_cast<const char*>(ws + r * rs * G) + p * kScaleBytes +
+          vllm_cpu_bits::prefetch_to_l2(reinterpret_cast<const char*>(ws + r * rs * pitch) + p * kScaleBytes +
                                        kAhead * kScaleBytes / kBlock);
       }
     }
   };
   // Q4_K (S = uint8_t): row r's d (0) or dmin (1) of the superblock of pairs p .. p + 3.
-  const auto superblock = [&](int r, int64_t p, int which) { return dd[r * rs * (G / 4) + (p / 4) * 2 + which]; };
+  const auto superblock = [&](int r, int64_t p, int which) { return dd[r * rs * (pitch / 4) + (p / 4) * 2 + which]; };
   // Pair p of row r unpacked: its low nibbles and its high ones, as dot2_u8_s8 takes them.
   const auto pair_nibbles = [&](int64_t p, int r, __m256i& lo, __m256i& hi) {
     const int64_t kept = 2 * (r * npairs + p);  // an index: `unpacked` is null where nothing is kept
@@ -609,7 +638,15 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
       ask_streams(p);
       ask_streams(p + 4);
       for (int r = 0; r < kRows; ++r) {
-        const __m512 s16 = scales16(ws + r * rs * G + 2 * p);
+        const __m512 s16 = scales16(ws + r * rs * pitch + 2 * p);
+        if (offs.any()) {  // in group order, as x[j].gsums: the lanes' order does not matter here
+          const int64_t at = r * rs * pitch + 2 * p;
+          const __m512 o16 = offs.fp32 != nullptr
+                                 ? _mm512_loadu_ps(offs.fp32 + at)
+                                 : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offs.mins + at)));
+          for (int j = 0; j < kX; ++j)
+            acc16[r][j] = _mm512_fmadd_ps(o16, _mm512_loadu_ps(x[j].gsums + 2 * p), acc16[r][j]);
+        }
         __m512i lo[4], hi[4];
         for (int q = 0; q < 4; ++q) {
           // kept: two pairs' lo, then their hi
@@ -631,7 +668,7 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
           for (int q = 0; q < 4; ++q)
             lanes[q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[q], x[j].lo2[4 * o + q]),
                                            hi[q], x[j].hi2[4 * o + q]);
-          const __m512i sums = _mm512_sub_epi32(block_sums16(lanes), x[j].bias16[o]);
+          const __m512i sums = q4_1_mins ? block_sums16(lanes) : _mm512_sub_epi32(block_sums16(lanes), x[j].bias16[o]);
           acc16[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), d16, acc16[r][j]);
         }
       }
@@ -643,15 +680,21 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
     ask_streams(p);
     for (int r = 0; r < kRows; ++r) {
       // [8 blocks, even then odd] weight scale x x scale
-      __m256 s8 = scales8_even_odd(ws + r * rs * G + 2 * p);
+      __m256 s8 = scales8_even_odd(ws + r * rs * pitch + 2 * p);
       if constexpr (std::is_same_v<S, uint8_t>) {
         // Q4_K: a superblock (these 8 groups) of d * sc and its offsets 8 d sc - dmin m against x'
         // summed per group, every product exact and one rounding each, as group_offsets forms them.
         s8 = _mm256_mul_ps(s8, _mm256_set1_ps(superblock(r, p, 0)));
-        const __m256 m8 = scales8_even_odd(mins + r * rs * G + 2 * p);
+        const __m256 m8 = scales8_even_odd(mins + r * rs * pitch + 2 * p);
         const __m256 off8 = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.f), s8),
                                           _mm256_mul_ps(_mm256_set1_ps(superblock(r, p, 1)), m8));
         for (int j = 0; j < kX; ++j) acc[r][j] = _mm256_fmadd_ps(off8, x[j].gsums8[p / 4], acc[r][j]);
+      } else if (offs.any()) {  // in group order, as x[j].gsums
+        const int64_t at = r * rs * pitch + 2 * p;
+        const __m256 o8 = offs.fp32 != nullptr
+                              ? _mm256_loadu_ps(offs.fp32 + at)
+                              : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offs.mins + at)));
+        for (int j = 0; j < kX; ++j) acc[r][j] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(x[j].gsums + 2 * p), acc[r][j]);
       }
       __m256i lo[4], hi[4];
       for (int q = 0; q < 4; ++q) pair_nibbles(p + q, r, lo[q], hi[q]);
@@ -659,25 +702,34 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
         const __m256 d8 = _mm256_mul_ps(x[j].xs8[p / 4], s8);
         __m256i lanes[4];
         for (int q = 0; q < 4; ++q) lanes[q] = dot2_u8_s8(lo[q], x[j].lo[p + q], hi[q], x[j].hi[p + q]);
-        const __m256i sums = _mm256_sub_epi32(block_sums8(lanes), x[j].bias8[p / 4]);
+        const __m256i sums = q4_1_mins ? block_sums8(lanes) : _mm256_sub_epi32(block_sums8(lanes), x[j].bias8[p / 4]);
         acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d8, acc[r][j]);
       }
     }
   }
   // The pairs past the last four (up to three; one on SmolLM2's 576 features), one at a time. A
   // K-quant has none: its superblocks of 8 blocks make npairs a multiple of four.
+  __m128 tail[kRows][kX];  // those pairs' offsets against x' summed per block, in the low two lanes
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kX; ++j) tail[r][j] = _mm_setzero_ps();
   if constexpr (!std::is_same_v<S, uint8_t>) {
     const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // block 2p's scale, then 2p + 1's
     for (; p < npairs; ++p) {
       ask(p);
       for (int r = 0; r < kRows; ++r) {
-        const __m128 s2 = scales2(ws + r * rs * G + 2 * p);
+        const __m128 s2 = scales2(ws + r * rs * pitch + 2 * p);
+        if (offs.any()) {
+          const int64_t at = r * rs * pitch + 2 * p;
+          const __m128 o2 = offs.fp32 != nullptr ? scales2(offs.fp32 + at) : scales2(offs.mins + at);
+          for (int j = 0; j < kX; ++j) tail[r][j] = _mm_fmadd_ps(o2, scales2(x[j].gsums + 2 * p), tail[r][j]);
+        }
         __m256i lo, hi;
         pair_nibbles(p, r, lo, hi);
         for (int j = 0; j < kX; ++j) {
           const __m128 x2 = _mm_loadl_pi(_mm_setzero_ps(), reinterpret_cast<const __m64*>(x[j].xs + 2 * p));
           const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(x2, s2)), halves);
-          const __m256i s = _mm256_sub_epi32(dot2_u8_s8(lo, x[j].lo[p], hi, x[j].hi[p]), x[j].bias[p]);
+          const __m256i dot = dot2_u8_s8(lo, x[j].lo[p], hi, x[j].hi[p]);
+          const __m256i s = q4_1_mins ? dot : _mm256_sub_epi32(dot, x[j].bias[p]);
           acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[r][j]);
         }
       }
@@ -686,9 +738,9 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kX; ++j)
 #ifdef VLLM_QUANT_OCTS
-      out[j * out_stride + r * rs] = hsum(acc[r][j]) + _mm512_reduce_add_ps(acc16[r][j]);
+      out[j * out_stride + r * rs] = hsum(acc[r][j]) + _mm512_reduce_add_ps(acc16[r][j]) + hsum2(tail[r][j]);
 #else
-      out[j * out_stride + r * rs] = hsum(acc[r][j]);
+      out[j * out_stride + r * rs] = hsum(acc[r][j]) + hsum2(tail[r][j]);
 #endif
 }
 #endif
@@ -704,6 +756,27 @@ inline float dot_fp32(const float* a, const float* b, int64_t n) {
   s = hsum(acc);
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Row n's Offsets (above) against gsums in dot_fp32's order: the same bits from either form.
+float offsets_dot(const Offsets& offs, int64_t n, int64_t G, const float* gsums) {
+  if (offs.fp32 != nullptr) return dot_fp32(offs.fp32 + n * offs.pitch, gsums, G);
+  const c10::Half* m = offs.mins + n * offs.pitch;
+  const c10::Half* d = offs.scales + n * offs.pitch;
+  float s = 0.f;
+  int64_t g = 0;
+#ifdef VLLM_QUANT_AVX2
+  const auto widen = [](const c10::Half* h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  };
+  __m256 acc = _mm256_setzero_ps();
+  for (; g + 8 <= G; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_fmadd_ps(widen(d + g), _mm256_set1_ps(8.f), widen(m + g)),
+                          _mm256_loadu_ps(gsums + g), acc);
+  s = hsum(acc);
+#endif
+  for (; g < G; ++g) s += (static_cast<float>(m[g]) + 8.f * static_cast<float>(d[g])) * gsums[g];
   return s;
 }
 
@@ -770,9 +843,11 @@ void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const auto scale_type = scales.scalar_type();
   const bool typed = byte_scales ? scale_type == *byte_scales
                                  : scale_type == at::kFloat || scale_type == at::kBFloat16 || scale_type == at::kHalf;
-  TORCH_CHECK(typed && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N &&
-                  scales.size(1) == K / group,
-              !byte_scales                ? "scales must be contiguous fp32, bf16 or fp16 [N, K / group]"
+  // Rows of scales may lie apart (Q4_1's scales beside their mins), each row dense; K-quants' dense.
+  const bool rows_dense = scales.dim() == 2 && (scales.stride(1) == 1 || scales.size(1) == 1) &&
+                          scales.stride(0) >= scales.size(1) && (!byte_scales || scales.is_contiguous());
+  TORCH_CHECK(typed && rows_dense && scales.size(0) == N && scales.size(1) == K / group,
+              !byte_scales                ? "scales must be fp32, bf16 or fp16 [N, K / group], each row contiguous"
               : *byte_scales == at::kByte ? "with superblocks, int4 scales must be contiguous uint8 [N, K / group]"
                                           : "with superblocks, int8 scales must be contiguous int8 [N, K / group]");
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
@@ -815,10 +890,21 @@ Workspace& calling_thread_workspace() {
 }
 
 template <bool kInt4>
-void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                  int64_t group, const float* offsets, const KQuant& kq) {
+void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& given_scales,
+                  int64_t group, const Offsets& offsets, const KQuant& kq) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = K / group;
   const int64_t row_bytes = qweight.size(1), nblocks = (K + kBlock - 1) / kBlock;
+#ifdef VLLM_QUANT_AVX2
+  // int4 in groups of 32 (this file's own quantization, GGUF Q4_0 and Q4_1) over an even number of
+  // blocks: the paired path, x laid out once per call.
+  const bool paired = kInt4 && group == kBlock && nblocks % 2 == 0;
+#else
+  const bool paired = false;
+#endif
+  // Scales with rows apart (Q4_1's, beside their mins) as they are for the paired path; the other
+  // paths index them densely and take a dense copy.
+  const at::Tensor scales = paired ? given_scales : given_scales.contiguous();
+  [[maybe_unused]] const int64_t pitch = scales.stride(0);
   // References, not the thread_local itself: the parallel tasks below must read this thread's.
   Workspace& work = calling_thread_workspace();
   std::vector<int8_t>& xq = work.xq;
@@ -839,16 +925,9 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
       quantize_row(xr, K, xq.data() + m * K, xs.data() + m * nblocks);
     }
   });
-  const bool has_offsets = offsets != nullptr || kq.mins != nullptr;
+  const bool has_offsets = offsets.any() || kq.mins != nullptr;
   std::vector<float>& gsums = work.gsums;
   if (has_offsets) group_sums(xq.data(), xs.data(), M, K, group, gsums);
-#ifdef VLLM_QUANT_AVX2
-  // int4 in groups of 32 (this file's own quantization, GGUF Q4_0) over an even number of blocks:
-  // the paired path, x laid out once per call.
-  const bool paired = kInt4 && group == kBlock && nblocks % 2 == 0;
-#else
-  const bool paired = false;
-#endif
 #ifdef VLLM_QUANT_AVX2
   const bool q6_in_loop = !kInt4 && kq.superblocks != nullptr;  // dot_blocks forms Q6_K's d * sc itself
 #else
@@ -871,7 +950,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   at::parallel_for(0, static_cast<int64_t>(pairs.size()), kPrepRowsPerTask, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       layout_int4_pairs(xq.data() + m * K, xs.data() + m * nblocks, nblocks / 2, pairs[m],
-                        kq.superblocks != nullptr ? gsums.data() + m * G : nullptr);
+                        has_offsets ? gsums.data() + m * G : nullptr);
   });
 #else
   const int64_t k_vector = 0;
@@ -966,9 +1045,10 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         using S = std::remove_const_t<std::remove_pointer_t<decltype(ws)>>;
         // Weight rows first, first + rs, ... against row m of x.
         const auto call = [&](auto kernel, int64_t first, int64_t rs, int64_t m) {
-          kernel(qp + first * row_bytes, row_bytes, ws + first * G, G, &pairs[m], nblocks / 2, op + m * N + first, N,
+          const Offsets row_offsets = offsets.from_row(first);
+          kernel(qp + first * row_bytes, row_bytes, ws + first * pitch, pitch, &pairs[m], nblocks / 2, op + m * N + first, N,
                  unpacked, rs, kq.superblocks == nullptr ? nullptr : kq.superblocks + first * (G / 4),
-                 kq.mins == nullptr ? nullptr : kq.mins + first * G);
+                 kq.mins == nullptr ? nullptr : kq.mins + first * G, row_offsets);
         };
         if (M == 1) {
           const auto spread = [&](auto asks_tag) {
@@ -1034,11 +1114,11 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
           op[m * N + n] += dot_scalar<kInt4>(qp + n * row_bytes, sp + n * G, xq.data() + m * K,
                                              xs.data() + m * nblocks, k_vector, K, group);
     }
-    if (has_offsets && !(paired && kq.superblocks != nullptr))  // the paired path adds Q4_K's in its loop
+    if (has_offsets && !paired)  // the paired path adds them in its loop
       for (n = begin; n < end; ++n)
         for (int64_t m = 0; m < M; ++m)
-          op[m * N + n] += offsets != nullptr ? dot_fp32(offsets + n * G, gsums.data() + m * G, G)
-                                              : kquant_offsets_dot(scales.data_ptr<uint8_t>(), kq, n, G,
+          op[m * N + n] += offsets.any() ? offsets_dot(offsets, n, G, gsums.data() + m * G)
+                                         : kquant_offsets_dot(scales.data_ptr<uint8_t>(), kq, n, G,
                                                                    gsums.data() + m * G);
     if (bf16_out) {
       uint16_t* ob = static_cast<uint16_t*>(out.data_ptr());
@@ -1081,12 +1161,11 @@ void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Ten
                     superblocks->size(1) == G / 16 && superblocks->size(2) == 1,
                 "superblocks must be contiguous fp32 [N, K / 256, 1] with groups of 16");
     check_inputs(out, x, qweight, scales, group, 1, at::kChar);
-    quant_linear<false>(out, x, qweight, scales, group, nullptr,
-                        KQuant(nullptr, *superblocks));
+    quant_linear<false>(out, x, qweight, scales, group, Offsets{}, KQuant(nullptr, *superblocks));
     return;
   }
   check_inputs(out, x, qweight, scales, group, 1);
-  quant_linear<false>(out, x, qweight, scales, group, nullptr, KQuant{});
+  quant_linear<false>(out, x, qweight, scales, group, Offsets{}, KQuant{});
 }
 
 void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -1104,17 +1183,25 @@ void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Ten
     TORCH_CHECK(offsets.has_value() && offsets->scalar_type() == at::kByte && offsets->is_contiguous() &&
                     offsets->sizes() == scales.sizes(),
                 "with superblocks, offsets must be contiguous uint8 [N, K / group]");
-    quant_linear<true>(out, x, qweight, scales, group, nullptr,
-                       KQuant(offsets->data_ptr<uint8_t>(), *superblocks));
+    quant_linear<true>(out, x, qweight, scales, group, Offsets{}, KQuant(offsets->data_ptr<uint8_t>(), *superblocks));
     return;
   }
   check_inputs(out, x, qweight, scales, group, 2);
-  if (offsets.has_value())
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->dim() == 2 &&
-                    offsets->size(0) == N && offsets->size(1) == G,
-                "offsets must be contiguous fp32 [N, K / group]");
-  quant_linear<true>(out, x, qweight, scales, group, offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
-                     KQuant{});
+  Offsets given;
+  if (offsets.has_value()) {
+    const bool mins = offsets->scalar_type() == at::kHalf;
+    TORCH_CHECK((offsets->scalar_type() == at::kFloat || (mins && scales.scalar_type() == at::kHalf)) &&
+                    offsets->dim() == 2 && offsets->size(0) == N && offsets->size(1) == G &&
+                    (offsets->stride(1) == 1 || G == 1) && offsets->stride(0) == scales.stride(0),
+                "offsets must be [N, K / group] with the scales' row pitch, each row contiguous, fp32 or (with fp16 "
+                "scales) fp16 mins");
+    given.pitch = scales.stride(0);
+    if (mins)
+      given.mins = offsets->data_ptr<c10::Half>(), given.scales = scales.data_ptr<c10::Half>();
+    else
+      given.fp32 = offsets->data_ptr<float>();
+  }
+  quant_linear<true>(out, x, qweight, scales, group, given, KQuant{});
 }
 
 }  // namespace

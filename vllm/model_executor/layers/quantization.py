@@ -28,8 +28,8 @@ Semantics (the native kernel vllm/csrc/cpu/quant_linear.cpp computes the same):
           two-level form (`superblocks`: d, dmin per 256; 6-bit sc, m per group as bytes: 0.59
           bytes a weight instead of 0.75 with fp32 s and offsets); GGUF's Q6_K likewise keeps d
           per 256 and its int8 sc per 16. The int4 kernel adds the offsets' share itself, x' @ W'.T
-          = x' @ (s*q).T + (x' summed per group) @ offsets.T: per superblock inside its loop for
-          Q4_K, after a row's integer sums for fp32 offsets.
+          = x' @ (s*q).T + (x' summed per group) @ offsets.T: inside its paired loop (per superblock
+          for Q4_K; Q4_1's as s * stored nibble + m), after a row's integer sums on its other paths.
 
 Invariants:
   - `reference_linear` (x' @ dequantize().T in float64) is the reference: the native kernel and

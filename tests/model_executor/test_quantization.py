@@ -66,7 +66,8 @@ def test_int4_keeps_a_4_bit_grid_the_weight_already_lies_on():
     """A weight dequantized from GGUF Q4_1 (d * q + m per 32, q in 0..15: the packaged default
     model's linears) is kept on its own grid, which the symmetric one cannot hold: in fp32 the
     Q4_1 file's own tensors, in bf16 the same nibbles with its scales and offsets within bf16's
-    rounding. One weight a third of a step off that grid, and it is rounded symmetrically."""
+    rounding. One weight a third of a step off that grid (in a row probed first or not), and it
+    is rounded symmetrically."""
     w = np.random.RandomState(0).randn(16, 512).astype(np.float32) * 0.2
     raw = gguf.quants.quantize(w, GGMLQuantizationType.Q4_1)
     stored = gguf_loader._q4_1(torch.from_numpy(raw).view(16, -1, 20), 16, 512)
@@ -78,10 +79,11 @@ def test_int4_keeps_a_4_bit_grid_the_weight_already_lies_on():
     from_bf16 = q.quantize(checkpoint.bfloat16(), "int4")
     assert from_bf16.offsets is not None and torch.equal(from_bf16.qweight, stored.qweight)
     assert (from_bf16.dequantize() - stored.dequantize()).abs().max() <= 2 ** -8 * checkpoint.abs().max()
-    off = checkpoint.clone()
-    off[3, 40] += stored.group_scales()[3, 1] / 3
-    rounded = q.quantize(off, "int4")
-    assert rounded.offsets is None and rounded.scales.dtype == torch.bfloat16
+    for row in (3, q.GRID_PROBE_ROWS + 4):  # among the rows probed first, and past them
+        off = checkpoint.clone()
+        off[row, 40] += stored.group_scales()[row, 1] / 3
+        rounded = q.quantize(off, "int4")
+        assert rounded.offsets is None and rounded.scales.dtype == torch.bfloat16
 
 
 def test_activations_round_per_block_of_32():

@@ -76,6 +76,7 @@ NATIVE_MAX_ROWS_INT8_GROUPED = 64
 # still count as on it: bf16 rounding moves a weight by at most 2^-9 of it, while a group not on
 # such a grid lies up to half a step (1/30 of its range) away.
 GRID_TOLERANCE = 2 ** -6
+GRID_PROBE_ROWS = 8
 _SOURCE, _WHAT = "quant_linear.cpp", "CPU quantized-linear kernel"
 
 
@@ -181,7 +182,9 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     if k % INT4_GROUP:
         raise ValueError(f"int4 quantization needs input sizes that are multiples of {INT4_GROUP}, got {k}.")
     groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
-    on_grid = _grid_int4(groups)
+    # A few rows first: a weight off the grid (any full-precision checkpoint) is told from them
+    # without the whole weight's temporaries.
+    on_grid = _grid_int4(groups) if _grid_int4(groups[:GRID_PROBE_ROWS]) is not None else None
     if on_grid is not None:
         q, scales, offsets = on_grid
         return QuantizedWeight("int4", _pack_int4(q), scales, INT4_GROUP, k, offsets)

@@ -641,9 +641,9 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
         const __m512 s16 = scales16(ws + r * rs * pitch + 2 * p);
         if (offs.any()) {  // in group order, as x[j].gsums: the lanes' order does not matter here
           const int64_t at = r * rs * pitch + 2 * p;
-          const __m512 o16 = offs.fp32 != nullptr
-                                 ? _mm512_loadu_ps(offs.fp32 + at)
-                                 : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offs.mins + at)));
+          const auto* mins16 = reinterpret_cast<const __m256i*>(offs.mins + at);
+          const __m512 o16 = offs.fp32 != nullptr ? _mm512_loadu_ps(offs.fp32 + at)
+                                                  : _mm512_cvtph_ps(_mm256_loadu_si256(mins16));
           for (int j = 0; j < kX; ++j)
             acc16[r][j] = _mm512_fmadd_ps(o16, _mm512_loadu_ps(x[j].gsums + 2 * p), acc16[r][j]);
         }
@@ -1046,8 +1046,9 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         // Weight rows first, first + rs, ... against row m of x.
         const auto call = [&](auto kernel, int64_t first, int64_t rs, int64_t m) {
           const Offsets row_offsets = offsets.from_row(first);
-          kernel(qp + first * row_bytes, row_bytes, ws + first * pitch, pitch, &pairs[m], nblocks / 2, op + m * N + first, N,
-                 unpacked, rs, kq.superblocks == nullptr ? nullptr : kq.superblocks + first * (G / 4),
+          kernel(qp + first * row_bytes, row_bytes, ws + first * pitch, pitch, &pairs[m], nblocks / 2,
+                 op + m * N + first, N, unpacked, rs,
+                 kq.superblocks == nullptr ? nullptr : kq.superblocks + first * (G / 4),
                  kq.mins == nullptr ? nullptr : kq.mins + first * G, row_offsets);
         };
         if (M == 1) {

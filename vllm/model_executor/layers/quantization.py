@@ -76,7 +76,7 @@ NATIVE_MAX_ROWS_INT8_GROUPED = 64
 # still count as on it: bf16 rounding moves a weight by at most 2^-9 of it, while a group not on
 # such a grid lies up to half a step (1/30 of its range) away.
 GRID_TOLERANCE = 2 ** -6
-GRID_PROBE_ROWS = 8
+GRID_PROBE_ROWS = 8  # rows checked first: a weight off the grid is told from them
 _SOURCE, _WHAT = "quant_linear.cpp", "CPU quantized-linear kernel"
 
 
@@ -154,9 +154,9 @@ def q4_1_scales_and_mins(scales: torch.Tensor, mins: torch.Tensor) -> tuple[torc
 def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
     """The weights' rows one after another, as one weight (a fused layer's slices stored apart, as
     GGUF files store q/k/v and gate/up), or None where they differ in method, group, input size,
-    scale or offset dtype or in having offsets or superblocks. Each output row is computed from its own row
-    alone, so the stacked weight's product equals the slices' products side by side, bit for bit,
-    in one call."""
+    scale or offset dtype or in having offsets or superblocks. Each output row is computed from its
+    own row alone, so the stacked weight's product equals the slices' products side by side, bit for
+    bit, in one call."""
     first = weights[0]
     shape = lambda w: (w.method, w.group, w.in_features, w.scales.dtype,  # noqa: E731
                        None if w.offsets is None else w.offsets.dtype, w.superblocks is None)
@@ -170,7 +170,8 @@ def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
                            offsets, cat([w.superblocks for w in weights]))
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
-    """weight: [N, K] floating. Round to nearest, symmetric, as the module docstring states."""
+    """weight: [N, K] floating. Round to nearest, symmetric, or for int4 keep the 4-bit grid the weight
+    already lies on, as the module docstring states."""
     if method not in METHODS:
         raise ValueError(f"Unknown quantization {method!r}; supported: {', '.join(METHODS)}.")
     n, k = weight.shape
@@ -182,8 +183,7 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     if k % INT4_GROUP:
         raise ValueError(f"int4 quantization needs input sizes that are multiples of {INT4_GROUP}, got {k}.")
     groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
-    # A few rows first: a weight off the grid (any full-precision checkpoint) is told from them
-    # without the whole weight's temporaries.
+    # A full-precision checkpoint's weight is told from a few rows, without the whole weight's temporaries.
     on_grid = _grid_int4(groups) if _grid_int4(groups[:GRID_PROBE_ROWS]) is not None else None
     if on_grid is not None:
         q, scales, offsets = on_grid

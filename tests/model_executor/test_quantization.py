@@ -2,8 +2,8 @@
 vllm/csrc/cpu/quant_linear.cpp): the stated rounding and packing of weights and activations, the
 native kernel (AVX2 and its portable build) and the tiled torch path against `reference_linear`,
 the LM head's per-channel int8 copy (tied and untied, quantized at load or loaded packed), and the
-engine on a checkpoint whose weights are already on the quantization grid, where quantizing is
-lossless and the engine must match transformers (and PEFT, with an adapter on top) given the same
+engine on a checkpoint whose weights are already on the quantization grid (or on GGUF Q4_1's, which
+int4 keeps), where quantizing is lossless and the engine must match transformers (and PEFT, with an adapter on top) given the same
 activation rounding: the same greedy tokens, logprobs within what one flipped rounding tie moves;
 with two tensor-parallel ranks, the same tokens as one."""
 
@@ -544,15 +544,21 @@ def test_lm_head_loaded_packed(tied):
         wrong.weight.weight_loader(wrong.weight, q.quantize(torch.randn(96, 64), "int8"))
 
 
-def _on_grid(src: str, dst: str, method: str) -> str:
-    """A copy of the checkpoint whose linear weights are dequantize(quantize(w)), the LM head's in
-    per-channel int8 (the head's format under every method)."""
+def _on_grid(src: str, dst: str, grid: str) -> str:
+    """A copy of the checkpoint whose linear weights are dequantize(quantize(w)) (`grid` a method),
+    or GGUF Q4_1 dequantized (`grid` "q4_1", as the packaged default model is: int4 keeps that grid),
+    the LM head's in per-channel int8 (the head's format under every method)."""
+    def on_grid(w: torch.Tensor, grid: str) -> torch.Tensor:
+        if grid != "q4_1":
+            return q.quantize(w, grid).dequantize()
+        raw = gguf.quants.quantize(w.float().numpy(), GGMLQuantizationType.Q4_1)
+        return torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_1))
+
     model = load_hf_model(src)
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
-                grid = HEAD_METHOD if name == "lm_head" else method
-                module.weight.copy_(q.quantize(module.weight, grid).dequantize())
+                module.weight.copy_(on_grid(module.weight, HEAD_METHOD if name == "lm_head" else grid))
     model.save_pretrained(dst)
     for name in os.listdir(src):
         if name.startswith(("tokenizer", "special_tokens", "generation_config")):
@@ -573,18 +579,24 @@ def _round_linear_inputs(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# Checkpoints on each method's grid, and on GGUF Q4_1's, which int4 keeps (its minimums in the kernel).
+GRIDS = {"int8": "int8", "int4": "int4", "q4_1": "int4"}  # grid -> the --quantization that runs it
+
+
 @pytest.fixture(scope="module")
 def grid_checkpoints(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("on_grid")
-    return {m: _on_grid(checkpoints["llama"], str(root / m), m) for m in q.METHODS}
+    return {grid: _on_grid(checkpoints["llama"], str(root / grid), grid) for grid in GRIDS}
 
 
-@pytest.mark.parametrize("method", q.METHODS)
-def test_engine_on_grid_weights_matches_transformers_and_peft(method, grid_checkpoints, tokenizer, tmp_path):
-    base = grid_checkpoints[method]
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_engine_on_grid_weights_matches_transformers_and_peft(grid, grid_checkpoints, tokenizer, tmp_path):
+    base, method = grid_checkpoints[grid], GRIDS[grid]
     adapter = make_adapter(base, str(tmp_path / "lora"), ["q_proj", "v_proj", "down_proj"], r=8, seed=5)
     llm = LLM(base, max_model_len=256, quantization=method, enable_lora=True, max_loras=1, max_lora_rank=8,
               dtype="float32")
+    linears = [m for m in llm.llm_engine.engine_core.runner.model.modules() if isinstance(m, Linear)]
+    assert all((w.offsets is not None) == (grid == "q4_1") for m in linears for w in m.quantized_weights())
     hf, peft = _round_linear_inputs(load_hf_model(base)), _round_linear_inputs(load_peft_model(base, adapter))
     for text in ["What is the capital of France?", "one two three four five six seven eight " * 3]:
         ids = tokenizer.encode(text)
@@ -603,16 +615,18 @@ def test_quantized_kernel_is_built_with_the_model(grid_checkpoints, monkeypatch)
     assert calls
 
 
-def test_tensor_parallel_quantized_matches_one_rank(grid_checkpoints):
-    """Two ranks quantize their own rows (the head: its vocabulary block) and give one rank's tokens."""
+@pytest.mark.parametrize("grid", ["int4", "q4_1"])
+def test_tensor_parallel_quantized_matches_one_rank(grid, grid_checkpoints):
+    """Two ranks quantize their own rows (the head: its vocabulary block; a kept Q4_1 grid's scales
+    and minimums with them) and give one rank's tokens."""
     prompts = ["hello world how are you", "one two three four five six seven eight"]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine = dict(max_model_len=128, quantization="int4", dtype="float32")
-    single = LLM(grid_checkpoints["int4"], **engine)
+    single = LLM(grid_checkpoints[grid], **engine)
     reference = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
     head = single.llm_engine.engine_core.runner.model.lm_head
     assert head._quantized is not None and head.weight.numel() == 0
-    double = LLM(grid_checkpoints["int4"], tensor_parallel_size=2, **engine)
+    double = LLM(grid_checkpoints[grid], tensor_parallel_size=2, **engine)
     try:
         assert [o.outputs[0].token_ids for o in double.generate(prompts, params, use_tqdm=False)] == reference
     finally:

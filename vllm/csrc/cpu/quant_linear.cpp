@@ -25,8 +25,8 @@
  *               or GGUF Q4_1's fp16 mins m [N, G] with fp16 scales d, offsets = m + 8d in fp32;
  *               gsums[m, g] = sum of xs * xq over group g: every weight of the group moved by it)
  *     computed as integer sums over each run of k sharing a block and a weight group, each
- *     scaled once and added in fp32 (offsets: Q4_K's per superblock in the paired loop, fp32
- *     ones in a dot after a row's sums): equal to the formula up to
+ *     scaled once and added in fp32 (offsets: in the paired loop, Q4_K's per superblock; on the
+ *     other paths in a dot after a row's sums): equal to the formula up to
  *     fp32 rounding of those terms; a bf16 out holds those fp32 sums rounded to nearest even
  *     (torch's cast, bit for bit).
  *
@@ -45,7 +45,7 @@
  * 16 (GGUF Q6_K's) get one scale per half. Other groups (not 16, not a multiple of 32, not one
  * per row) and a last short block take the scalar path, which does the same integer math and is
  * the whole kernel where AVX2 is absent. int4 in groups of 32 over an even number of blocks (this
- * engine's own int4, GGUF Q4_0) takes a paired path instead: two blocks per 32-byte load, x laid
+ * engine's own int4, GGUF Q4_0 and Q4_1) takes a paired path instead: two blocks per 32-byte load, x laid
  * out once per call to match the nibbles (layout_int4_pairs), the integer sums of four pairs
  * reduced to their eight blocks' sums and scaled at once by the blocks' x and weight scales:
  * 1.5-2.5x the per-block path's speed, 15-19 GB/s of weights on one Zen 3 thread (where the
@@ -576,8 +576,8 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
                     int64_t npairs, float* out, int64_t out_stride, __m256i* unpacked, int64_t rs, const float* dd,
                     const uint8_t* mins, const Offsets& offs) {
   constexpr int64_t kScaleBytes = 2 * sizeof(S);  // a row's per pair, against 32 of weights
-  // Q4_1's mins: d q + m against the stored nibbles q as they are (no 8 x taken off) plus m against
-  // x' summed per block: the same value as d (q - 8) + (m + 8d), two operations fewer a block sum.
+  // Q4_1's mins: d q + m, the stored nibbles q against x as they are (no 8 x taken off) plus m
+  // against x' summed per block: the value of d (q - 8) + (m + 8d) without the subtraction.
   const bool q4_1_mins = offs.mins != nullptr;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows][kX];
@@ -609,7 +609,9 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
     }
   };
   // Q4_K (S = uint8_t): row r's d (0) or dmin (1) of the superblock of pairs p .. p + 3.
-  const auto superblock = [&](int r, int64_t p, int which) { return dd[r * rs * (pitch / 4) + (p / 4) * 2 + which]; };
+  const auto superblock = [&](int r, int64_t p, int which) {  // Q4_K's scales are dense: pitch = G
+    return dd[r * rs * (pitch / 4) + (p / 4) * 2 + which];
+  };
   // Pair p of row r unpacked: its low nibbles and its high ones, as dot2_u8_s8 takes them.
   const auto pair_nibbles = [&](int64_t p, int r, __m256i& lo, __m256i& hi) {
     const int64_t kept = 2 * (r * npairs + p);  // an index: `unpacked` is null where nothing is kept
@@ -668,7 +670,8 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
           for (int q = 0; q < 4; ++q)
             lanes[q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[q], x[j].lo2[4 * o + q]),
                                            hi[q], x[j].hi2[4 * o + q]);
-          const __m512i sums = q4_1_mins ? block_sums16(lanes) : _mm512_sub_epi32(block_sums16(lanes), x[j].bias16[o]);
+          const __m512i block = block_sums16(lanes);
+          const __m512i sums = q4_1_mins ? block : _mm512_sub_epi32(block, x[j].bias16[o]);
           acc16[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), d16, acc16[r][j]);
         }
       }
@@ -702,7 +705,8 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
         const __m256 d8 = _mm256_mul_ps(x[j].xs8[p / 4], s8);
         __m256i lanes[4];
         for (int q = 0; q < 4; ++q) lanes[q] = dot2_u8_s8(lo[q], x[j].lo[p + q], hi[q], x[j].hi[p + q]);
-        const __m256i sums = q4_1_mins ? block_sums8(lanes) : _mm256_sub_epi32(block_sums8(lanes), x[j].bias8[p / 4]);
+        const __m256i block = block_sums8(lanes);
+        const __m256i sums = q4_1_mins ? block : _mm256_sub_epi32(block, x[j].bias8[p / 4]);
         acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d8, acc[r][j]);
       }
     }

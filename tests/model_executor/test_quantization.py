@@ -46,20 +46,38 @@ def test_int8_rounds_per_channel():
 
 
 def test_int4_packs_two_per_byte_in_gguf_block_order():
-    w = torch.zeros(1, 32)
-    w[0, 0], w[0, 16], w[0, 5], w[0, 31] = 7.0, -7.0, 3.0, 1.0  # scale 1
+    # Off a min-max 16-level grid (-8 .. 6 in steps of 14/15 misses 3), so rounded symmetrically.
+    w = torch.zeros(2, 32)
+    w[0, 0], w[0, 16], w[0, 5], w[0, 31] = -8.0, 6.0, 3.0, 1.0  # scale -8 / -8 = 1
+    w[1, 3], w[1, 9], w[1, 20] = 4.0, -1.0, 0.5  # the largest magnitude positive: scale -0.5, 4 -> -8
     qw = q.quantize(w, "int4")
-    assert qw.qweight.shape == (1, 16) and qw.qweight.dtype == torch.uint8 and qw.scales.shape == (1, 1)
-    assert qw.scales.dtype == torch.bfloat16 and qw.nbytes == 16 + 2  # Q4_0's 4.5 bits a weight
+    assert qw.qweight.shape == (2, 16) and qw.qweight.dtype == torch.uint8 and qw.scales.shape == (2, 1)
+    assert qw.scales.dtype == torch.bfloat16 and qw.nbytes == 2 * (16 + 2)  # Q4_0's 4.5 bits a weight
+    assert qw.scales.view(-1).tolist() == [1.0, -0.5]
     packed = qw.qweight[0].tolist()
-    assert packed[0] == (7 + 8) | ((-7 + 8) << 4)  # element 0 low nibble, element 16 high nibble
+    assert packed[0] == (-8 + 8) | ((6 + 8) << 4)  # element 0 low nibble, element 16 high nibble
     assert packed[5] == (3 + 8) | (8 << 4)
     assert packed[15] == 8 | ((1 + 8) << 4)  # element 15 low, element 31 high
+    assert qw.qweight[1, 3].item() & 0x0F == 0 and qw.qweight[1, 9].item() & 0x0F == 2 + 8
     torch.testing.assert_close(qw.dequantize(), w)
+    zero = q.quantize(torch.zeros(1, 32), "int4")  # scale 0, every value 0
+    assert zero.scales.item() == 0 and torch.equal(zero.dequantize(), torch.zeros(1, 32))
     with pytest.raises(ValueError, match="multiples of 32, got 48"):
         q.quantize(torch.randn(2, 48), "int4")
     with pytest.raises(ValueError, match="Unknown quantization 'int3'; supported: int8, int4"):
         q.quantize(w, "int3")
+
+
+def test_int4_uses_all_16_levels_as_gguf_q4_0_does():
+    """The largest magnitude maps to -8 (GGUF Q4_0's rule): less weight error than max|W| / 7 on 15
+    levels, and a weight already on such a grid comes back exactly."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    qw = q.quantize(w, "int4")
+    groups = w.view(64, -1, 32)
+    fifteen = (groups.abs().amax(dim=2, keepdim=True) / 7).bfloat16().float()
+    old = (torch.round(groups / fifteen).clamp(-8, 7) * fifteen).view_as(w)
+    assert (qw.dequantize() - w).norm() < 0.9 * (old - w).norm()
+    assert torch.equal(q.quantize(qw.dequantize(), "int4").dequantize(), qw.dequantize())
 
 
 def test_int4_keeps_a_4_bit_grid_the_weight_already_lies_on():

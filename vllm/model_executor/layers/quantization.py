@@ -6,8 +6,10 @@ llama.cpp does); adapters in the model's dtype.
 Semantics (the native kernel vllm/csrc/cpu/quant_linear.cpp computes the same):
     int8: per output channel (group = K): q = round(W / s) in [-127, 127], s = max|W[n]| / 127
     int4: groups of `INT4_GROUP` (32, GGUF Q4_0's block) input features per output channel:
-          q = round(W / s) in [-8, 7] (clamped), s = max|W[n, group]| / 7 rounded to bf16 (the
-          largest magnitude maps to +-7 up to that rounding; a scale is 2 bytes per 16 of
+          q = round(W / s) in [-8, 7] (clamped), s = W[n, j*] / -8 rounded to bf16, W[n, j*] the
+          group's element of largest magnitude (GGUF Q4_0's rule: it maps to -8 up to that
+          rounding, its sign in s, so all 16 levels are used: 12% less weight error than
+          max|W| / 7 on 15 levels, SmolLM2's and Gaussian weights; a scale is 2 bytes per 16 of
           weights, as GGUF Q4_0's fp16 d, instead of 4: 10% fewer bytes a decode reads, and
           bf16 keeps fp32's range); stored as q + 8, two per byte: in each block of 32, byte j
           holds element j (low nibble) and element j + 16 (high nibble). A weight whose every group
@@ -188,9 +190,11 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     if on_grid is not None:
         q, scales, offsets = on_grid
         return QuantizedWeight("int4", _pack_int4(q), scales, INT4_GROUP, k, offsets)
-    scales = (groups.abs().amax(dim=2) / 7).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-    q = torch.round(groups / scales.float()[..., None]).clamp(-8, 7) + 8
-    return QuantizedWeight("int4", _pack_int4(q), scales.contiguous(), INT4_GROUP, k)
+    largest = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True))  # [N, K / 32, 1], signed
+    scales = (largest / -8).to(torch.bfloat16)
+    step = scales.float()
+    q = torch.round(groups / torch.where(step != 0, step, 1)).clamp(-8, 7) + 8  # an all-zero group: 0 * 0
+    return QuantizedWeight("int4", _pack_int4(q), scales.squeeze(2).contiguous(), INT4_GROUP, k)
 
 
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,7 @@ def test_engine_answers_and_matches_transformers_logits(converted):
 @pytest.mark.slow
 def test_the_wheels_q4_1_file_serves_as_it_is(converted):
     """The GGUF the default model is converted from loads as a model itself, its Q4_1 tensors
-    packed (int4 with an offset per 32): teacher-forced on the fp32 model's answer, its logprobs
+    packed (int4 with a minimum per 32): teacher-forced on the fp32 model's answer, its logprobs
     stay within int8 activation rounding of the fp32 model's. --quantization int4 on the converted
     folder finds every linear on a 4-bit grid and keeps it: the same tensors as the file's, so the
     same logprobs (the LM head differs: the file's embedding is not Q4_1, and both quantize it to

@@ -14,8 +14,9 @@ Q4_0's d, kept fp16 as stored):
   Q4_0  blocks of 32: fp16 d, 16 bytes of nibbles  -> int4 exactly as stored (our int4 is Q4_0's
                                                       layout: byte j = element j | element j+16 << 4)
   Q4_1  blocks of 32: fp16 d, fp16 m, 16 bytes of nibbles; w = d*q + m, q in 0..15
-                                                   -> int4 as stored, scale d (fp16 as stored),
-                                                      offset m + 8d (fp32, rounded once)
+                                                   -> int4 as stored, scale d and minimum m (fp16 as
+                                                      stored, each row's d beside its m: the
+                                                      kernel forms the offset m + 8d itself)
   Q6_K  blocks of 256: ql[128], qh[64], int8 sc[16], fp16 d; w = d*sc*q, q in -32..31
                                                    -> int8, group 16, scale d*sc (exact in fp32),
                                                       kept as d (fp32) and sc (a byte each)

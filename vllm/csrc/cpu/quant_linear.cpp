@@ -643,9 +643,10 @@ void dot_int4_pairs(const uint8_t* rows, int64_t row_bytes, const S* ws, int64_t
         const __m512 s16 = scales16(ws + r * rs * pitch + 2 * p);
         if (offs.any()) {  // in group order, as x[j].gsums: the lanes' order does not matter here
           const int64_t at = r * rs * pitch + 2 * p;
-          const auto* mins16 = reinterpret_cast<const __m256i*>(offs.mins + at);
-          const __m512 o16 = offs.fp32 != nullptr ? _mm512_loadu_ps(offs.fp32 + at)
-                                                  : _mm512_cvtph_ps(_mm256_loadu_si256(mins16));
+          const __m512 o16 =
+              offs.fp32 != nullptr
+                  ? _mm512_loadu_ps(offs.fp32 + at)
+                  : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offs.mins + at)));
           for (int j = 0; j < kX; ++j)
             acc16[r][j] = _mm512_fmadd_ps(o16, _mm512_loadu_ps(x[j].gsums + 2 * p), acc16[r][j]);
         }

@@ -676,3 +676,90 @@ def test_bad_quantization_and_prequantized_checkpoints_are_refused(checkpoints, 
     with pytest.raises(ValueError, match=r"LlamaForCausalLM: quantized checkpoints are not supported "
                                          r"\(quantization_config has quant_method='gptq'\).*--quantization int8 or int4"):
         LLM(path, max_model_len=64)
+
+
+needs_tiles = pytest.mark.skipif(q.native_available() and q.tile_rows() == 0,
+                                 reason="the native kernel's int4 row tiles need AVX512-VNNI")
+
+
+def _int4_forms(n: int, k: int, gen: torch.Generator) -> dict[str, q.QuantizedWeight]:
+    """int4 in each form `tile` takes: symmetric with bf16 scales (at load), GGUF Q4_0's fp16 scales,
+    and GGUF Q4_1's fp16 scales with fp16 mins beside them."""
+    sym = q.quantize(torch.randn(n, k, generator=gen), "int4")
+    scales, mins = q.q4_1_scales_and_mins(sym.scales.half(), (torch.randn(n, k // 32, generator=gen) / 20).half())
+    return {"bf16": sym, "q4_0": q.QuantizedWeight("int4", sym.qweight, sym.scales.half(), 32, k),
+            "q4_1": q.QuantizedWeight("int4", sym.qweight, scales, 32, k, mins)}
+
+
+@needs_tiles
+@pytest.mark.parametrize("k", [64, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 2, 5, 70])
+@pytest.mark.parametrize("form", ["bf16", "q4_0", "q4_1"])
+def test_int4_row_tiles_equal_reference(form, rows, k):
+    """A weight `tile` lays out in row tiles computes reference_linear (fp32 and bf16 x), holds the
+    row layout's bytes (`untile` gives them back bit for bit; dequantize reads the tiles), and runs
+    the same kernel entry from Python and from the native decoder layer (linear_int4)."""
+    gen = torch.Generator().manual_seed(rows + k)
+    weight = _int4_forms(48, k, gen)[form]
+    tiled = q.tile(weight)
+    assert tiled.tiled and tiled.qweight.shape == (3, k // 32, 256) and tiled.out_features == 48
+    assert tiled.nbytes == weight.nbytes
+    back = q.untile(tiled)
+    for a, b in zip(back.tensors(), weight.tensors()):
+        assert torch.equal(a, b)
+    assert torch.equal(tiled.dequantize(slice(5, 40)), weight.dequantize(slice(5, 40)))
+    x = torch.randn(rows, k, generator=gen)
+    _check_kernel(q.quantized_linear(x, tiled, None), x, weight)
+    out = torch.empty(rows, 48, dtype=torch.bfloat16)
+    torch.ops.vllm_quant.linear_int4(out, x.bfloat16(), tiled.qweight, tiled.scales, 32, tiled.offsets)
+    assert torch.equal(out, q.quantized_linear(x.bfloat16().float(), tiled, None).bfloat16())
+
+
+@needs_tiles
+def test_int4_row_tiles_give_a_row_the_same_result_in_any_batch_or_thread_count():
+    """Four tiles read side by side for one row of x, four rows of x sharing each unpacked block for
+    several: a row's output is bitwise the same alone, in any batch, and on 1 or 2 threads."""
+    gen = torch.Generator().manual_seed(5)
+    for weight in _int4_forms(16 * 37, 576, gen).values():
+        tiled, x = q.tile(weight), torch.randn(11, 576, generator=gen)
+        one, two = on_thread_counts(lambda: q.quantized_linear(x, tiled, None))
+        assert torch.equal(one, two)
+        for rows in (1, 2, 4, 5, 11):
+            batched = q.quantized_linear(x[:rows], tiled, None)
+            for i in sorted({0, rows - 1}):
+                assert torch.equal(q.quantized_linear(x[i:i + 1], tiled, None), batched[i:i + 1])
+                assert torch.equal(batched[i], one[i])
+
+
+@needs_tiles
+def test_tile_takes_only_what_the_kernel_reads_and_layers_hold_tiles():
+    """Weights the tiles cannot hold stay in the row layout: rows not a multiple of 16, int8, Q4_K's
+    two-level form, fp32 scales or offsets. A quantized Linear holds its int4 weight tiled."""
+    gen = torch.Generator().manual_seed(7)
+    sym = q.quantize(torch.randn(40, 256, generator=gen), "int4")
+    kept = [q.quantize(torch.randn(40, 256, generator=gen), "int4").rows(slice(0, 33)),
+            q.quantize(torch.randn(48, 256, generator=gen), "int8"), _kquant(48, 256, gen),
+            q.QuantizedWeight("int4", sym.qweight[:32], sym.scales[:32].float(), 32, 256),
+            q.QuantizedWeight("int4", sym.qweight[:32], sym.scales[:32], 32, 256, torch.zeros(32, 8))]
+    for weight in kept:
+        assert q.tile(weight) is weight
+    layer = Linear(256, [48, 16], False, torch.float32, CPU)
+    layer.weight.data.copy_(torch.randn(64, 256, generator=gen))
+    dense = layer.weight.detach().clone()
+    layer.quantize("int4")
+    (held,) = layer.quantized_weights()
+    assert held.tiled and torch.equal(q.untile(held).qweight, q.quantize(dense, "int4").qweight)
+    x = torch.randn(3, 256, generator=gen)
+    _check_kernel(layer(x), x, q.untile(held))
+
+
+@needs_tiles
+def test_tiled_kernel_refuses_mismatched_tensors():
+    weight = q.tile(_int4_forms(32, 64, torch.Generator().manual_seed(1))["q4_1"])
+    x, out = torch.randn(1, 64), torch.empty(1, 32)
+    with pytest.raises(RuntimeError, match="tiled int4 scales must be"):
+        torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales[:, :1], 32, weight.offsets)
+    with pytest.raises(RuntimeError, match="tiled int4 offsets must be fp16 mins"):
+        torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales, 32, weight.offsets.float())
+    with pytest.raises(RuntimeError, match=r"contiguous uint8 \[N / 16, K / 32, 256\]"):
+        torch.ops.vllm_quant.linear_int4(out, torch.randn(1, 96), weight.qweight, weight.scales, 32, weight.offsets)

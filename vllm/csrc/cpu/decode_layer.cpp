@@ -139,6 +139,13 @@ constexpr size_t kWeights = 4 + kSlots * kTensorsPerSlot, kInts = 4 + 2 * kSlots
 const at::Tensor& slot_weight(at::TensorList weights, int64_t s) { return weights[4 + kTensorsPerSlot * s]; }
 int64_t slot_kind(at::IntArrayRef ints, int64_t s) { return ints[4 + 2 * s]; }
 
+// Output features of slot s: its weight's rows, or an int4 weight in row tiles' 16 per tile
+// (quantization.py's `tile`: [N / 16, K / 32, 256]).
+int64_t slot_rows(at::TensorList weights, int64_t s) {
+  const at::Tensor& w = slot_weight(weights, s);
+  return w.dim() == 3 ? w.size(0) * 16 : w.size(0);
+}
+
 // Linear i's used slots: [kFirstSlot[i], the returned end).
 int64_t used_slots_end(at::IntArrayRef ints, int i) {
   int64_t s = kFirstSlot[i];
@@ -149,7 +156,7 @@ int64_t used_slots_end(at::IntArrayRef ints, int i) {
 // Output features of linear i: the rows of its used slots.
 int64_t linear_rows(at::TensorList weights, at::IntArrayRef ints, int i) {
   int64_t rows = 0;
-  for (int64_t s = kFirstSlot[i], end = used_slots_end(ints, i); s < end; ++s) rows += slot_weight(weights, s).size(0);
+  for (int64_t s = kFirstSlot[i], end = used_slots_end(ints, i); s < end; ++s) rows += slot_rows(weights, s);
   return rows;
 }
 
@@ -169,7 +176,7 @@ void linear_slots(const at::Tensor& out, const at::Tensor& x, at::TensorList wei
   }
   int64_t col = 0;
   for (int64_t s = first; s < end; ++s) {
-    const int64_t cols = slot_weight(weights, s).size(0);
+    const int64_t cols = slot_rows(weights, s);
     at::Tensor part = out.narrow(1, col, cols);
     if (part.is_contiguous()) {
       call(part, s, false);

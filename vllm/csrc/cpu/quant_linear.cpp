@@ -61,6 +61,11 @@
  * several, paired int4 tiles are neighbouring rows asked into L2 8 KB ahead by software prefetch
  * (see the work split and quant_linear's comments).
  *
+ * Row tiles (int4_tiles.h, AVX512-VNNI builds): an int4 qweight of 3 dims [N / 16, K / 32, 256] is
+ * quantization.py's `tile` layout, 16 rows interleaved per block; linear_int4 hands it to
+ * tiled_linear (x quantized as here, the tasks splitting the tiles). `tile_rows` says whether
+ * this build has them.
+ *
  * Work split: x is quantized once per call, then at::parallel_for over output features, in
  * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call
  * and stays in L1 across the few rows of x. Sums run in a fixed order per (m, n): results do not
@@ -92,6 +97,7 @@
 // The paired int4 path's eight pairs at a time in 512-bit vectors (dot_int4_pairs).
 #if defined(VLLM_QUANT_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VLLM_QUANT_OCTS 1
+#include "int4_tiles.h"
 #endif
 
 // The op namespace; a test builds this file a second time without AVX2 under another name.
@@ -836,6 +842,16 @@ void group_sums(const int8_t* xq, const float* xs, int64_t M, int64_t K, int64_t
 }
 
 // byte_scales: a K-quant's sub-scales, which must be of that byte type, instead of fp32, bf16 or fp16 ones.
+// Rows a tile of int4_tiles.h interleaves where this build has them (AVX512-VNNI), else 0:
+// quantization.py lays weights out in tiles only where the kernel reads them.
+int64_t tile_rows() {
+#ifdef VLLM_QUANT_OCTS
+  return vllm_int4_tiles::kTileRows;
+#else
+  return 0;
+#endif
+}
+
 void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   int64_t group, int64_t k_per_row_byte, std::optional<at::ScalarType> byte_scales = std::nullopt) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
@@ -870,6 +886,7 @@ struct Workspace {
   std::vector<float> gsums;     // [M, G] (group_sums), where weights have offsets
   std::vector<float> sums;      // [M, N] fp32 sums of a bf16 out
   std::vector<uint8_t> xu;      // [M, K] xq + 128 (dot_blocks_rows), int8 with several rows only
+  std::vector<int32_t> xsum;    // [M, K / 32] block sums of xq (row tiles only)
 #ifdef VLLM_QUANT_AVX2
   std::vector<Int4Pairs> pairs; // one per row of x, paired int4 only
 #endif
@@ -883,6 +900,7 @@ struct Workspace {
     };
     const auto bytes = [](const auto& v) { return v.capacity() * sizeof(typename std::decay_t<decltype(v)>::value_type); };
     drop(xq, bytes(xq)), drop(xs, bytes(xs)), drop(gsums, bytes(gsums)), drop(sums, bytes(sums)), drop(xu, bytes(xu));
+    drop(xsum, bytes(xsum));
 #ifdef VLLM_QUANT_AVX2
     drop(pairs, pairs.empty() ? 0 : pairs.size() * pairs[0].lo.capacity() * kPairLayoutBytes);
 #endif
@@ -892,6 +910,29 @@ struct Workspace {
 Workspace& calling_thread_workspace() {
   thread_local Workspace workspace;
   return workspace;
+}
+
+// Every row of x (fp32 or bf16 [M, K]) quantized into work.xq [M, K] and work.xs [M, ceil(K / 32)]:
+// on the intra-op threads where there are many rows (a prompt's); a decode's few on the calling
+// thread.
+void quantize_x(const at::Tensor& x, Workspace& work) {
+  const int64_t M = x.size(0), K = x.size(1), nblocks = (K + kBlock - 1) / kBlock;
+  work.xq.resize(M * K), work.xs.resize(M * nblocks);
+  int8_t* xq = work.xq.data();
+  float* xs = work.xs.data();
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, M, kPrepRowsPerTask, [&](int64_t m0, int64_t m1) {
+    thread_local std::vector<float> widened;  // one row of a bf16 x at a time
+    widened.resize(bf16_x ? K : 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = bf16_x ? widened.data() : x.data_ptr<float>() + m * K;
+      if (bf16_x) {
+        const uint16_t* bits = static_cast<const uint16_t*>(x.data_ptr()) + m * K;
+        for (int64_t k = 0; k < K; ++k) widened[k] = vllm_cpu_bits::widen(bits[k]);
+      }
+      quantize_row(xr, K, xq + m * K, xs + m * nblocks);
+    }
+  });
 }
 
 template <bool kInt4>
@@ -914,22 +955,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   Workspace& work = calling_thread_workspace();
   std::vector<int8_t>& xq = work.xq;
   std::vector<float>& xs = work.xs;
-  xq.resize(M * K), xs.resize(M * nblocks);
-  const bool bf16_x = x.scalar_type() == at::kBFloat16;
-  // x's rows quantized (and laid out below) on the intra-op threads where there are many (a
-  // prompt's); a decode's few run on the calling thread as before.
-  at::parallel_for(0, M, kPrepRowsPerTask, [&](int64_t m0, int64_t m1) {
-    thread_local std::vector<float> widened;  // one row of a bf16 x at a time
-    widened.resize(bf16_x ? K : 0);
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = bf16_x ? widened.data() : x.data_ptr<float>() + m * K;
-      if (bf16_x) {
-        const uint16_t* bits = static_cast<const uint16_t*>(x.data_ptr()) + m * K;
-        for (int64_t k = 0; k < K; ++k) widened[k] = vllm_cpu_bits::widen(bits[k]);
-      }
-      quantize_row(xr, K, xq.data() + m * K, xs.data() + m * nblocks);
-    }
-  });
+  quantize_x(x, work);
   const bool has_offsets = offsets.any() || kq.mins != nullptr;
   std::vector<float>& gsums = work.gsums;
   if (has_offsets) group_sums(xq.data(), xs.data(), M, K, group, gsums);
@@ -1135,6 +1161,89 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   work.trim();
 }
 
+
+#ifdef VLLM_QUANT_OCTS
+// Rows of x per pass over a task's tiles (several rows): as many as fit kXChunkBytes of xq, which
+// then stays in L2 while each tile's blocks pass over it.
+int64_t tile_x_chunk(int64_t K) { return std::max<int64_t>(vllm_int4_tiles::kRowsOfX, kXChunkBytes / K); }
+
+// int4 weights in row tiles (int4_tiles.h): out [M, N] = x' @ W'.T. x is quantized once per call
+// as on the row layout; the tasks split the tiles.
+template <typename S>
+void tiled_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                  const at::Tensor* mins) {
+  using vllm_int4_tiles::kTileRows;
+  const int64_t M = x.size(0), K = x.size(1), T = qweight.size(0), B = qweight.size(1), N = T * kTileRows;
+  Workspace& work = calling_thread_workspace();
+  quantize_x(x, work);
+  work.xsum.resize(M * B);
+  for (int64_t i = 0; i < M * B; ++i) {
+    int32_t s = 0;
+    for (int64_t j = 0; j < kBlock; ++j) s += work.xq[i * kBlock + j];
+    work.xsum[i] = s;
+  }
+  std::vector<vllm_int4_tiles::XRow> rows(M);
+  for (int64_t m = 0; m < M; ++m) rows[m] = {work.xq.data() + m * K, work.xs.data() + m * B, work.xsum.data() + m * B};
+  const bool bf16_out = out.scalar_type() == at::kBFloat16;
+  work.sums.resize(bf16_out ? M * N : 0);
+  float* op = bf16_out ? work.sums.data() : out.data_ptr<float>();
+  const auto* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+  const S* sp = reinterpret_cast<const S*>(scales.data_ptr());
+  const S* mp = mins == nullptr ? nullptr : reinterpret_cast<const S*>(mins->data_ptr());
+  const int64_t chunk = M == 1 ? 1 : tile_x_chunk(K);
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t rows_here = std::min(chunk, M - m0);
+      if (mp != nullptr)
+        vllm_int4_tiles::tiles_range<true>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data() + m0,
+                                           rows_here, op + m0 * N, N, t0, t1);
+      else
+        vllm_int4_tiles::tiles_range<false>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data() + m0,
+                                            rows_here, op + m0 * N, N, t0, t1);
+    }
+    if (bf16_out) {
+      uint16_t* ob = static_cast<uint16_t*>(out.data_ptr());
+      for (int64_t m = 0; m < M; ++m)
+        vllm_cpu_bits::narrow_row(ob + m * N + t0 * kTileRows, op + m * N + t0 * kTileRows, (t1 - t0) * kTileRows);
+    }
+  });
+  work.trim();
+}
+#endif
+
+// int4 weights in row tiles (quantization.py's `tile`): qweight [T, B, 256], scales [T, B, 16]
+// bf16 or fp16, Q4_1's fp16 mins as the scales' neighbours; checked, then tiled_linear.
+void tiled_int4(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                int64_t group, const std::optional<at::Tensor>& mins) {
+  TORCH_CHECK(tile_rows() > 0, "int4 weights in row tiles need the AVX512-VNNI build of this kernel");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
+              "x must be contiguous fp32 or bf16 [M, K]");
+  TORCH_CHECK(group == kBlock && qweight.is_contiguous() && qweight.size(2) == 256 && x.size(1) == qweight.size(1) * kBlock,
+              "tiled int4 weights are contiguous uint8 [N / 16, K / 32, 256] in groups of 32, got ", qweight.sizes(),
+              " for K = ", x.size(1));
+  const auto tiled_like = [&](const at::Tensor& t) {
+    return t.dim() == 3 && t.size(0) == qweight.size(0) && t.size(1) == qweight.size(1) && t.size(2) == 16 &&
+           t.stride(2) == 1;
+  };
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(tiled_like(scales) && (half || scales.scalar_type() == at::kBFloat16),
+              "tiled int4 scales must be bf16 or fp16 [N / 16, K / 32, 16], each 16 contiguous");
+  TORCH_CHECK(!mins || (half && mins->scalar_type() == at::kHalf && tiled_like(*mins) &&
+                        mins->strides() == scales.strides()),
+              "tiled int4 offsets must be fp16 mins [N / 16, K / 32, 16] with fp16 scales, strided as the scales");
+  const int64_t N = qweight.size(0) * 16;
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
+                  out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == N,
+              "out must be contiguous fp32 or bf16 [M, N]");
+#ifdef VLLM_QUANT_OCTS
+  const at::Tensor* m = mins ? &*mins : nullptr;
+  if (half)
+    tiled_linear<c10::Half>(out, x, qweight, scales, m);
+  else
+    tiled_linear<uint16_t>(out, x, qweight, scales, m);
+#endif
+}
+
 // out = x' (xs * xq per element, fp32) for the torch path's dense matmuls, one pass over x.
 void round_activations(const at::Tensor& out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
@@ -1179,6 +1288,11 @@ void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Ten
                        const std::optional<at::Tensor>& superblocks) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "int4 qweight must be uint8 (two values per byte)");
   TORCH_CHECK(group % kBlock == 0, "int4 group (", group, ") must be a multiple of 32");
+  if (qweight.dim() == 3) {
+    TORCH_CHECK(!superblocks, "K-quants stay in the row layout");
+    tiled_int4(out, x, qweight, scales, group, offsets);
+    return;
+  }
   const int64_t N = qweight.size(0), G = x.size(1) / group;
   if (superblocks.has_value()) {  // GGUF Q4_K: sc and m as bytes, d and dmin per 8 groups
     check_inputs(out, x, qweight, scales, group, 2, at::kByte);
@@ -1218,6 +1332,7 @@ TORCH_LIBRARY(VLLM_QUANT_OPS, m) {
   m.def("linear_int4(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, int group, Tensor? offsets=None, "
         "Tensor? superblocks=None) -> ()");
   m.def("round_activations(Tensor(a!) out, Tensor x) -> ()");
+  m.def("tile_rows() -> int");
 }
 
 TORCH_LIBRARY_IMPL(VLLM_QUANT_OPS, CPU, m) {
@@ -1225,3 +1340,5 @@ TORCH_LIBRARY_IMPL(VLLM_QUANT_OPS, CPU, m) {
   m.impl("linear_int4", TORCH_FN(quant_linear_int4));
   m.impl("round_activations", TORCH_FN(round_activations));
 }
+
+TORCH_LIBRARY_IMPL(VLLM_QUANT_OPS, CatchAll, m) { m.impl("tile_rows", TORCH_FN(tile_rows)); }

@@ -37,7 +37,7 @@ from torch import nn
 
 from vllm.distributed.parallel_state import all_reduce
 from vllm.model_executor.layers.dense_gemv import dense_linear, onednn_linear
-from vllm.model_executor.layers.quantization import QuantizedWeight, quantize, quantized_linear, stack_rows
+from vllm.model_executor.layers.quantization import QuantizedWeight, quantize, quantized_linear, stack_rows, tile
 from vllm.model_executor.layers.tensor_parallel import Shard
 
 
@@ -125,7 +125,7 @@ class Linear(nn.Module):
 
     def quantize(self, method: str) -> None:
         """Keep the weight only in `method`'s quantized form (no full-precision copy)."""
-        self._quantized = [quantize(self.weight, method)]
+        self._quantized = [tile(quantize(self.weight, method))]
         self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, input_size] -> [num_tokens, output_size]
@@ -189,8 +189,7 @@ class Linear(nn.Module):
         self._quantized[shard_id or 0] = weight
         if all(q is not None for q in self._quantized):
             stacked = stack_rows(self._quantized)
-            if stacked is not None:
-                self._quantized = [stacked]
+            self._quantized = [tile(q) for q in (self._quantized if stacked is None else [stacked])]
             self.weight.data = self.weight.data.new_empty(0)
 
     def _rank_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int]) -> torch.Tensor:

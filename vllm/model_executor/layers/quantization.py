@@ -43,6 +43,10 @@ Invariants:
     (`dense_gemv.fp32_linear`), which wins once there are enough rows to spread the dequantizing
     over; x' comes from the extension's one-pass `round_activations`, bitwise equal to
     `round_activations` here. Without the native kernel every call takes the tiled torch path.
+  - Where the native kernel has them (AVX512-VNNI), a layer's int4 weight in groups of 32 with bf16 or
+    fp16 scales (and Q4_1's fp16 mins) and a multiple of 16 rows is held in row tiles (`tile`; layout
+    and semantics in vllm/csrc/cpu/int4_tiles.h): the same bytes, moved so one instruction serves 16
+    rows. Everything else reads it through `untile` (its exact inverse): slicing, dequantizing.
   - Only the base weights are quantized: LoRA slots and the embedding's lookup table stay in the
     model's dtype. The LM head is quantized too, per output channel int8 under both methods
     (as llama.cpp keeps its output matrix at 6-8 bits): layers/vocab_embedding.py.
@@ -61,6 +65,7 @@ from vllm.model_executor.layers.dense_gemv import fp32_linear
 
 METHODS = ("int8", "int4")
 INT4_GROUP = 32
+ROW_TILE = 16  # weight rows per int4 row tile (vllm/csrc/cpu/int4_tiles.h's kTileRows)
 KQUANT_SUPERBLOCK = 256  # weights per GGUF K-quant superblock (d, dmin)
 ACT_BLOCK = 32  # input features per activation scale
 TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bounds the temporary)
@@ -97,10 +102,12 @@ class QuantizedWeight:
     # a group's scale is d * sc (exact), its offset 8 * d * sc - dmin * m (rounded once). Q6_K
     # (int8, groups of 16): fp32 [N, K / 256, 1], d; scales the groups' int8 sc; scale d * sc.
     superblocks: Optional[torch.Tensor] = None
+    # int4 in row tiles (`tile`): qweight [N / 16, K / 32, 256], scales (and mins) [N / 16, K / 32, 16]
+    tiled: bool = False
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[0]
+        return self.qweight.shape[0] * (ROW_TILE if self.tiled else 1)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors it holds (qweight, scales, and offsets and superblocks where it has them)."""
@@ -111,7 +118,9 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def rows(self, index) -> "QuantizedWeight":
-        """The weight of the output rows `index` (a slice or an index tensor) selects."""
+        """The weight of the output rows `index` (a slice or an index tensor) selects, in the row layout."""
+        if self.tiled:
+            return untile(self).rows(index)
         pick = lambda t: None if t is None else t[index]  # noqa: E731
         return QuantizedWeight(self.method, self.qweight[index], self.scales[index], self.group, self.in_features,
                                pick(self.offsets), pick(self.superblocks))
@@ -120,11 +129,15 @@ class QuantizedWeight:
         return t.repeat_interleave(KQUANT_SUPERBLOCK // self.group, dim=1)
 
     def group_scales(self) -> torch.Tensor:  # fp32 [N, K / group]
+        if self.tiled:
+            return untile(self).group_scales()
         if self.superblocks is None:
             return self.scales.float()
         return self._per_group(self.superblocks[..., 0]) * self.scales.float()
 
     def group_offsets(self) -> Optional[torch.Tensor]:  # fp32 [N, K / group], or None
+        if self.tiled:
+            return untile(self).group_offsets()
         if self.offsets is not None and self.offsets.dtype == torch.float16:  # Q4_1's mins
             return self.offsets.float() + 8 * self.scales.float()
         if self.superblocks is None or self.offsets is None:
@@ -132,6 +145,13 @@ class QuantizedWeight:
         return 8 * self.group_scales() - self._per_group(self.superblocks[..., 1]) * self.offsets.float()
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:  # fp32 [N, K] (or the rows asked for)
+        if self.tiled:  # only the tiles the rows lie in back to the row layout
+            start, stop, _ = rows.indices(self.out_features)
+            first, last = start // ROW_TILE, -(-stop // ROW_TILE)
+            pick = lambda t: None if t is None else t[first:last]  # noqa: E731
+            tiles = QuantizedWeight("int4", self.qweight[first:last], self.scales[first:last], self.group,
+                                    self.in_features, pick(self.offsets), tiled=True)
+            return untile(tiles).dequantize(slice(start - first * ROW_TILE, stop - first * ROW_TILE))
         part = self.rows(rows)
         q = part.qweight
         if self.method == "int4":
@@ -170,6 +190,49 @@ def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
         scales, offsets = q4_1_scales_and_mins(scales, offsets)
     return QuantizedWeight(first.method, cat([w.qweight for w in weights]), scales, first.group, first.in_features,
                            offsets, cat([w.superblocks for w in weights]))
+
+def tile_rows() -> int:
+    """Rows per tile of the native kernel's int4 row tiles (vllm/csrc/cpu/int4_tiles.h), or 0 where it
+    has none (no AVX512-VNNI, no native kernel)."""
+    if not native_available():
+        return 0
+    return torch.ops.vllm_quant.tile_rows()
+
+
+def tile(weight: QuantizedWeight) -> QuantizedWeight:
+    """`weight` laid out for the native kernel's int4 row tiles (int4_tiles.h states the layout: 16
+    rows interleaved per block of 32 features) where the kernel has them and the weight qualifies:
+    int4 in groups of 32 with bf16 or fp16 scales (this file's, GGUF Q4_0's), or fp16 Q4_1 mins, and a
+    multiple of 16 rows; else `weight` as it is. The same bytes, moved: `untile` is its exact inverse."""
+    rows = tile_rows()
+    mins = weight.offsets
+    if (rows != ROW_TILE or weight.tiled or weight.method != "int4" or weight.group != INT4_GROUP
+            or weight.superblocks is not None or weight.out_features % ROW_TILE
+            or weight.scales.dtype not in (torch.bfloat16, torch.float16)
+            or (mins is not None and (mins.dtype != torch.float16 or weight.scales.dtype != torch.float16))):
+        return weight
+    t, b = weight.out_features // ROW_TILE, weight.in_features // INT4_GROUP
+    # byte 4c + j of a row's block -> chunk c, lane 4r + j of its tile's block
+    qweight = weight.qweight.view(t, ROW_TILE, b, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, b, 256).contiguous()
+    per_tile = lambda s: s.view(t, ROW_TILE, b).permute(0, 2, 1)  # noqa: E731  [T, B, 16]
+    if mins is None:
+        return QuantizedWeight("int4", qweight, per_tile(weight.scales).contiguous(), INT4_GROUP,
+                               weight.in_features, tiled=True)
+    both = torch.stack([per_tile(weight.scales), per_tile(mins)], dim=2)  # [T, B, 2, 16]: one stream
+    return QuantizedWeight("int4", qweight, both[:, :, 0], INT4_GROUP, weight.in_features, both[:, :, 1], tiled=True)
+
+
+def untile(weight: QuantizedWeight) -> QuantizedWeight:
+    """A tiled weight back in the row layout (`tile`'s inverse, bit for bit)."""
+    t, b = weight.qweight.shape[:2]
+    n = t * ROW_TILE
+    qweight = weight.qweight.view(t, b, 4, ROW_TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, b * 16).contiguous()
+    per_row = lambda s: s.permute(0, 2, 1).reshape(n, b)  # noqa: E731
+    scales, mins = per_row(weight.scales), None if weight.offsets is None else per_row(weight.offsets)
+    if mins is not None:
+        scales, mins = q4_1_scales_and_mins(scales, mins)
+    return QuantizedWeight("int4", qweight, scales.contiguous(), weight.group, weight.in_features, mins)
+
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     """weight: [N, K] floating. Round to nearest, symmetric, or for int4 keep the 4-bit grid the weight
@@ -285,14 +348,14 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[to
     if bias is None and x.dtype in KERNEL_IO_DTYPES and _runs_native(x, weight):
         # The kernel reads a bf16 x and writes a bf16 out itself (the values and roundings the
         # conversions below would give), sparing a bf16 model two conversion ops a call.
-        out = torch.empty(x.shape[0], weight.qweight.shape[0], dtype=x.dtype)
+        out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
         _native_linear(out, x if x.is_contiguous() else x.contiguous(), weight)
         return out
     xf = x if x.dtype == torch.float32 else x.float()
     if not xf.is_contiguous():
         xf = xf.contiguous()
     if _runs_native(xf, weight):
-        out = torch.empty(xf.shape[0], weight.qweight.shape[0], dtype=torch.float32)
+        out = torch.empty(xf.shape[0], weight.out_features, dtype=torch.float32)
         _native_linear(out, xf, weight)
     else:
         xr = _rounded(xf)  # [M, K] fp32: the same activations the kernel multiplies

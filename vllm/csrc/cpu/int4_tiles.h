@@ -1,0 +1,175 @@
+/*
+ * int4 weights in row tiles: 16 output rows interleaved in the lanes of one vector, so one
+ * vpdpbusd multiplies 4 features of all 16 rows by a broadcast of 4 bytes of x, and a block's
+ * integer sums come out as one vector of 16 rows, scaled once, with no sums across lanes. The
+ * row layout's paired loop (quant_linear.cpp) sums each row's lanes per block before scaling it
+ * (9 of its 21 vector operations per 512 multiply-adds on many rows of x); here a block of 16
+ * rows costs 8 masks, 8 vpdpbusd and 6 scaling operations per row of x, its 4 loads shared by
+ * every row of x. Included by quant_linear.cpp where the compiler targets AVX512-VNNI
+ * (VLLM_QUANT_OCTS); quantization.py lays weights out this way only where the kernel has it
+ * (`tile_rows`).
+ *
+ * Layout (quantization.py's `tile`): a weight of N = 16 T rows and K = 32 B features,
+ *   qweight uint8 [T, B, 256]: tile t, block b is 4 chunks of 64 bytes; byte 4 r + j of chunk c
+ *     holds row 16 t + r's element 32 b + 4 c + j (stored q + 8) in its low nibble and element
+ *     32 b + 16 + 4 c + j in its high nibble (the same two elements a row-layout byte pairs);
+ *   scales [T, B, 16] (bf16 bits: int4 at load, or fp16: GGUF Q4_0's d, Q4_1's d) and, for
+ *     Q4_1, fp16 mins m beside them (views of one [T, B, 2, 16] tensor: one memory stream).
+ *
+ * Semantics (quant_linear.cpp's, the same reference): per row of x, block b and weight row n,
+ *   U = sum_j u[n, j] xq[j] over the block (u the stored nibble, exact in int32), X = sum_j xq[j];
+ *   symmetric: acc[n] += float(U - 8 X) * (d[n] * xs[b])
+ *   Q4_1:      acc[n] += (float(U) * d[n] + m[n] * float(X)) * xs[b]     (w = d u + m)
+ * over b = 0 .. B - 1 in order, acc starting at 0: each (row of x, weight row) the same operations
+ * in the same order however many rows of x or tiles share a pass, so its sum does not depend on
+ * the batch, the thread count or the work split.
+ */
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bf16_bits.h"
+
+namespace vllm_int4_tiles {
+
+constexpr int64_t kTileRows = 16;     // weight rows a tile interleaves
+constexpr int64_t kBlockBytes = 256;  // a tile's block of 32 features: 16 rows x 16 bytes
+// Tiles one row of x reads side by side, each its own stream: the hardware prefetchers keep
+// more lines in flight (SmolLM2's 120 decode linears, one Zen 4 thread, cold: 1 stream 17 GB/s,
+// 4 streams 20, 8 streams slower).
+constexpr int kStreams = 4;
+constexpr int kRowsOfX = 4;  // rows of x sharing each unpacked block of a tile (several rows)
+
+// One row of x quantized: xq [K], its block scales xs [B] and block sums xsum [B].
+struct XRow {
+  const int8_t* xq;
+  const float* xs;
+  const int32_t* xsum;
+};
+
+// A tile's weights and scales (and mins) as laid out above; pitch: scale elements between blocks.
+template <typename S>
+struct Tile {
+  const uint8_t* q;
+  const S* scales;
+  const S* mins;  // Q4_1's, or null
+  int64_t pitch;
+};
+
+inline __m512 widen_scales(const uint16_t* s) {
+  return vllm_cpu_bits::widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+inline __m512 widen_scales(const c10::Half* s) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+
+// Block b's 4 chunks as 8 vectors of bytes: v[c] the low nibbles, v[4 + c] the high ones in
+// place (16 times their value: vpdpbusd sums them unscaled and one shift takes the 16 off).
+inline void unpack_block(const uint8_t* block, __m512i* v) {
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  for (int c = 0; c < 4; ++c) {
+    const __m512i raw = _mm512_loadu_si512(block + 64 * c);
+    v[c] = _mm512_and_si512(raw, low);
+    v[4 + c] = _mm512_and_si512(raw, high);
+  }
+}
+
+// acc + block b's share for one row of x (the header's formula), v from unpack_block.
+template <bool kMins>
+inline __m512 block_step(__m512 acc, const __m512i* v, __m512 d, __m512 m, const XRow& x, int64_t b) {
+  const int32_t* xb = reinterpret_cast<const int32_t*>(x.xq + 32 * b);
+  __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {
+    lo = _mm512_dpbusd_epi32(lo, v[c], _mm512_set1_epi32(xb[c]));
+    hi = _mm512_dpbusd_epi32(hi, v[4 + c], _mm512_set1_epi32(xb[4 + c]));
+  }
+  const __m512i u = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));  // U, exact
+  if constexpr (kMins) {
+    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), d, _mm512_mul_ps(m, _mm512_set1_ps(float(x.xsum[b]))));
+    return _mm512_fmadd_ps(t, _mm512_set1_ps(x.xs[b]), acc);
+  } else {
+    const __m512i q = _mm512_sub_epi32(u, _mm512_set1_epi32(8 * x.xsum[b]));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(d, _mm512_set1_ps(x.xs[b])), acc);
+  }
+}
+
+// kS tiles against one row of x, block by block, each tile its own stream: out[16 i ..] = sums.
+template <int kS, bool kMins, typename S>
+inline void tiles_one_row(const Tile<S>* tiles, int64_t B, const XRow& x, float* const* out) {
+  __m512 acc[kS];
+  for (int i = 0; i < kS; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b)
+    for (int i = 0; i < kS; ++i) {
+      __m512i v[8];
+      unpack_block(tiles[i].q + b * kBlockBytes, v);
+      const int64_t s = b * tiles[i].pitch;
+      const __m512 d = widen_scales(tiles[i].scales + s);
+      const __m512 m = kMins ? widen_scales(tiles[i].mins + s) : _mm512_setzero_ps();
+      acc[i] = block_step<kMins>(acc[i], v, d, m, x, b);
+    }
+  for (int i = 0; i < kS; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+// One tile against kX rows of x, each block unpacked once for all of them: out[j] += 16 sums.
+template <int kX, bool kMins, typename S>
+inline void tile_rows_of_x(const Tile<S>& tile, int64_t B, const XRow* x, float* const* out) {
+  __m512 acc[kX];
+  for (int j = 0; j < kX; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i v[8];
+    unpack_block(tile.q + b * kBlockBytes, v);
+    const __m512 d = widen_scales(tile.scales + b * tile.pitch);
+    const __m512 m = kMins ? widen_scales(tile.mins + b * tile.pitch) : _mm512_setzero_ps();
+    for (int j = 0; j < kX; ++j) acc[j] = block_step<kMins>(acc[j], v, d, m, x[j], b);
+  }
+  for (int j = 0; j < kX; ++j) _mm512_storeu_ps(out[j], acc[j]);
+}
+
+// out [M, N] fp32 (row pitch N) = the sums of every row of x against tiles [t0, t1) of the weight
+// (tile t's weights at q + t * B * 256, its scales and mins at t * tile_pitch).
+template <bool kMins, typename S>
+void tiles_range(const uint8_t* q, const S* scales, const S* mins, int64_t tile_pitch, int64_t block_pitch,
+                 int64_t B, const XRow* x, int64_t M, float* out, int64_t N, int64_t t0, int64_t t1) {
+  const auto tile = [&](int64_t t) {
+    return Tile<S>{q + t * B * kBlockBytes, scales + t * tile_pitch, kMins ? mins + t * tile_pitch : nullptr,
+                   block_pitch};
+  };
+  if (M == 1) {
+    const int64_t part = (t1 - t0) / kStreams;
+    Tile<S> tiles[kStreams];
+    float* outs[kStreams];
+    for (int64_t j = 0; j < part; ++j) {
+      for (int i = 0; i < kStreams; ++i) {
+        const int64_t t = t0 + i * part + j;
+        tiles[i] = tile(t), outs[i] = out + kTileRows * t;
+      }
+      tiles_one_row<kStreams, kMins>(tiles, B, x[0], outs);
+    }
+    for (int64_t t = t0 + kStreams * part; t < t1; ++t) {
+      tiles[0] = tile(t), outs[0] = out + kTileRows * t;
+      tiles_one_row<1, kMins>(tiles, B, x[0], outs);
+    }
+    return;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const Tile<S> w = tile(t);
+    float* outs[kRowsOfX];
+    int64_t m = 0;
+    for (; m + kRowsOfX <= M; m += kRowsOfX) {
+      for (int j = 0; j < kRowsOfX; ++j) outs[j] = out + (m + j) * N + kTileRows * t;
+      tile_rows_of_x<kRowsOfX, kMins>(w, B, x + m, outs);
+    }
+    for (; m < M; ++m) {
+      outs[0] = out + m * N + kTileRows * t;
+      tile_rows_of_x<1, kMins>(w, B, x + m, outs);
+    }
+  }
+}
+
+}  // namespace vllm_int4_tiles

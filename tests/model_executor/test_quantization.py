@@ -693,7 +693,7 @@ def _int4_forms(n: int, k: int, gen: torch.Generator) -> dict[str, q.QuantizedWe
 
 @needs_tiles
 @pytest.mark.parametrize("k", [64, 576, 1536])
-@pytest.mark.parametrize("rows", [1, 2, 5, 70])
+@pytest.mark.parametrize("rows", [1, 2, 5, 70, 2100])  # 2100: past the row layout's native limit, still native
 @pytest.mark.parametrize("form", ["bf16", "q4_0", "q4_1"])
 def test_int4_row_tiles_equal_reference(form, rows, k):
     """A weight `tile` lays out in row tiles computes reference_linear (fp32 and bf16 x), holds the
@@ -709,6 +709,7 @@ def test_int4_row_tiles_equal_reference(form, rows, k):
         assert torch.equal(a, b)
     assert torch.equal(tiled.dequantize(slice(5, 40)), weight.dequantize(slice(5, 40)))
     x = torch.randn(rows, k, generator=gen)
+    assert q._runs_native(x, tiled)
     _check_kernel(q.quantized_linear(x, tiled, None), x, weight)
     out = torch.empty(rows, 48, dtype=torch.bfloat16)
     torch.ops.vllm_quant.linear_int4(out, x.bfloat16(), tiled.qweight, tiled.scales, 32, tiled.offsets)

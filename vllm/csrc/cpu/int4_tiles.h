@@ -53,6 +53,24 @@ struct XRow {
   const int32_t* xsum;
 };
 
+// Where sums go: out [M, N] as fp32, or as bf16 (its bits, rounded to nearest even as torch casts).
+struct Out {
+  float* fp32;
+  uint16_t* bf16;  // used where fp32 is null
+  int64_t N;
+
+  // Row m's 16 outputs from column n.
+  void store(__m512 sums, int64_t m, int64_t n) const {
+    if (fp32 != nullptr) {
+      _mm512_storeu_ps(fp32 + m * N + n, sums);
+      return;
+    }
+    alignas(64) float row[kTileRows];
+    _mm512_store_ps(row, sums);
+    vllm_cpu_bits::narrow_row(bf16 + m * N + n, row, kTileRows);
+  }
+};
+
 // A tile's weights and scales (and mins) as laid out above; pitch: scale elements between blocks.
 template <typename S>
 struct Tile {
@@ -99,9 +117,11 @@ inline __m512 block_step(__m512 acc, const __m512i* v, __m512 d, __m512 m, const
   }
 }
 
-// kS tiles against one row of x, block by block, each tile its own stream: out[16 i ..] = sums.
+// kS tiles against row m of x, block by block, each tile its own stream: their 16 outputs each from
+// column cols[i].
 template <int kS, bool kMins, typename S>
-inline void tiles_one_row(const Tile<S>* tiles, int64_t B, const XRow& x, float* const* out) {
+inline void tiles_one_row(const Tile<S>* tiles, int64_t B, const XRow& x, const Out& out, int64_t m,
+                          const int64_t* cols) {
   __m512 acc[kS];
   for (int i = 0; i < kS; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b)
@@ -113,12 +133,13 @@ inline void tiles_one_row(const Tile<S>* tiles, int64_t B, const XRow& x, float*
       const __m512 m = kMins ? widen_scales(tiles[i].mins + s) : _mm512_setzero_ps();
       acc[i] = block_step<kMins>(acc[i], v, d, m, x, b);
     }
-  for (int i = 0; i < kS; ++i) _mm512_storeu_ps(out[i], acc[i]);
+  for (int i = 0; i < kS; ++i) out.store(acc[i], m, cols[i]);
 }
 
-// One tile against kX rows of x, each block unpacked once for all of them: out[j] += 16 sums.
+// One tile against rows m .. m + kX - 1 of x, each block unpacked once for all of them: their 16
+// outputs from column n.
 template <int kX, bool kMins, typename S>
-inline void tile_rows_of_x(const Tile<S>& tile, int64_t B, const XRow* x, float* const* out) {
+inline void tile_rows_of_x(const Tile<S>& tile, int64_t B, const XRow* x, const Out& out, int64_t m, int64_t n) {
   __m512 acc[kX];
   for (int j = 0; j < kX; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
@@ -128,47 +149,40 @@ inline void tile_rows_of_x(const Tile<S>& tile, int64_t B, const XRow* x, float*
     const __m512 m = kMins ? widen_scales(tile.mins + b * tile.pitch) : _mm512_setzero_ps();
     for (int j = 0; j < kX; ++j) acc[j] = block_step<kMins>(acc[j], v, d, m, x[j], b);
   }
-  for (int j = 0; j < kX; ++j) _mm512_storeu_ps(out[j], acc[j]);
+  for (int j = 0; j < kX; ++j) out.store(acc[j], m + j, n);
 }
 
-// out [M, N] fp32 (row pitch N) = the sums of every row of x against tiles [t0, t1) of the weight
+// out [M, N] = the sums of rows of x [m0, m1) (x[m]: row m) against tiles [t0, t1) of the weight
 // (tile t's weights at q + t * B * 256, its scales and mins at t * tile_pitch).
 template <bool kMins, typename S>
 void tiles_range(const uint8_t* q, const S* scales, const S* mins, int64_t tile_pitch, int64_t block_pitch,
-                 int64_t B, const XRow* x, int64_t M, float* out, int64_t N, int64_t t0, int64_t t1) {
+                 int64_t B, const XRow* x, int64_t m0, int64_t m1, const Out& out, int64_t t0, int64_t t1) {
   const auto tile = [&](int64_t t) {
     return Tile<S>{q + t * B * kBlockBytes, scales + t * tile_pitch, kMins ? mins + t * tile_pitch : nullptr,
                    block_pitch};
   };
-  if (M == 1) {
+  if (m1 - m0 == 1) {
     const int64_t part = (t1 - t0) / kStreams;
     Tile<S> tiles[kStreams];
-    float* outs[kStreams];
+    int64_t cols[kStreams];
     for (int64_t j = 0; j < part; ++j) {
       for (int i = 0; i < kStreams; ++i) {
         const int64_t t = t0 + i * part + j;
-        tiles[i] = tile(t), outs[i] = out + kTileRows * t;
+        tiles[i] = tile(t), cols[i] = kTileRows * t;
       }
-      tiles_one_row<kStreams, kMins>(tiles, B, x[0], outs);
+      tiles_one_row<kStreams, kMins>(tiles, B, x[m0], out, m0, cols);
     }
     for (int64_t t = t0 + kStreams * part; t < t1; ++t) {
-      tiles[0] = tile(t), outs[0] = out + kTileRows * t;
-      tiles_one_row<1, kMins>(tiles, B, x[0], outs);
+      tiles[0] = tile(t), cols[0] = kTileRows * t;
+      tiles_one_row<1, kMins>(tiles, B, x[m0], out, m0, cols);
     }
     return;
   }
   for (int64_t t = t0; t < t1; ++t) {
     const Tile<S> w = tile(t);
-    float* outs[kRowsOfX];
-    int64_t m = 0;
-    for (; m + kRowsOfX <= M; m += kRowsOfX) {
-      for (int j = 0; j < kRowsOfX; ++j) outs[j] = out + (m + j) * N + kTileRows * t;
-      tile_rows_of_x<kRowsOfX, kMins>(w, B, x + m, outs);
-    }
-    for (; m < M; ++m) {
-      outs[0] = out + m * N + kTileRows * t;
-      tile_rows_of_x<1, kMins>(w, B, x + m, outs);
-    }
+    int64_t m = m0;
+    for (; m + kRowsOfX <= m1; m += kRowsOfX) tile_rows_of_x<kRowsOfX, kMins>(w, B, x + m, out, m, kTileRows * t);
+    for (; m < m1; ++m) tile_rows_of_x<1, kMins>(w, B, x + m, out, m, kTileRows * t);
   }
 }
 

@@ -1177,34 +1177,33 @@ void tiled_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   Workspace& work = calling_thread_workspace();
   quantize_x(x, work);
   work.xsum.resize(M * B);
-  for (int64_t i = 0; i < M * B; ++i) {
-    int32_t s = 0;
-    for (int64_t j = 0; j < kBlock; ++j) s += work.xq[i * kBlock + j];
-    work.xsum[i] = s;
-  }
+  const int8_t* xq = work.xq.data();
+  int32_t* xsum = work.xsum.data();
+  at::parallel_for(0, M * B, kPrepRowsPerTask * B, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int32_t s = 0;
+      for (int64_t j = 0; j < kBlock; ++j) s += xq[i * kBlock + j];
+      xsum[i] = s;
+    }
+  });
   std::vector<vllm_int4_tiles::XRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = {work.xq.data() + m * K, work.xs.data() + m * B, work.xsum.data() + m * B};
   const bool bf16_out = out.scalar_type() == at::kBFloat16;
-  work.sums.resize(bf16_out ? M * N : 0);
-  float* op = bf16_out ? work.sums.data() : out.data_ptr<float>();
+  const vllm_int4_tiles::Out to{bf16_out ? nullptr : out.data_ptr<float>(),
+                                bf16_out ? static_cast<uint16_t*>(out.data_ptr()) : nullptr, N};
   const auto* qp = static_cast<const uint8_t*>(qweight.data_ptr());
   const S* sp = reinterpret_cast<const S*>(scales.data_ptr());
   const S* mp = mins == nullptr ? nullptr : reinterpret_cast<const S*>(mins->data_ptr());
   const int64_t chunk = M == 1 ? 1 : tile_x_chunk(K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t rows_here = std::min(chunk, M - m0);
+      const int64_t m1 = std::min(M, m0 + chunk);
       if (mp != nullptr)
-        vllm_int4_tiles::tiles_range<true>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data() + m0,
-                                           rows_here, op + m0 * N, N, t0, t1);
+        vllm_int4_tiles::tiles_range<true>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data(), m0, m1, to,
+                                           t0, t1);
       else
-        vllm_int4_tiles::tiles_range<false>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data() + m0,
-                                            rows_here, op + m0 * N, N, t0, t1);
-    }
-    if (bf16_out) {
-      uint16_t* ob = static_cast<uint16_t*>(out.data_ptr());
-      for (int64_t m = 0; m < M; ++m)
-        vllm_cpu_bits::narrow_row(ob + m * N + t0 * kTileRows, op + m * N + t0 * kTileRows, (t1 - t0) * kTileRows);
+        vllm_int4_tiles::tiles_range<false>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data(), m0, m1,
+                                            to, t0, t1);
     }
   });
   work.trim();

@@ -77,6 +77,10 @@ TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bound
 # 512. int8 in groups (GGUF Q8_0, Q6_K: a scale per 16 or 32 weights to apply per row of x):
 # 0.18-0.99x at 64, 0.36-0.96x at 128, 0.57-1.55x at 256.
 NATIVE_MAX_ROWS_INT4 = 2048
+# int4 in row tiles (`tile`): any number of rows. The kernel took 0.34-0.40x the tiled torch path's time
+# at 1,024 and 2,048 rows (one Zen 4 thread; SmolLM2's 3072 x 576 and 576 x 1536, Granite-3.3-2B's
+# 2048 x 2048 and 16384 x 2048), its time growing with the rows.
+NATIVE_MAX_ROWS_INT4_TILES = 1 << 20
 NATIVE_MAX_ROWS_INT8 = 256
 NATIVE_MAX_ROWS_INT8_GROUPED = 64
 # How far (relative to a group's largest magnitude) a group may lie from its min-max 4-bit grid and
@@ -325,7 +329,7 @@ KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out dtypes the kerne
 def native_max_rows(weight: QuantizedWeight) -> int:
     """Rows of x up to which `weight`'s products run the native kernel (NATIVE_MAX_ROWS_*)."""
     if weight.method == "int4":
-        return NATIVE_MAX_ROWS_INT4
+        return NATIVE_MAX_ROWS_INT4_TILES if weight.tiled else NATIVE_MAX_ROWS_INT4
     return NATIVE_MAX_ROWS_INT8 if weight.group == weight.in_features else NATIVE_MAX_ROWS_INT8_GROUPED
 
 

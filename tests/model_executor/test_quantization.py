@@ -735,7 +735,8 @@ def test_int4_row_tiles_give_a_row_the_same_result_in_any_batch_or_thread_count(
 @needs_tiles
 def test_tile_takes_only_what_the_kernel_reads_and_layers_hold_tiles():
     """Weights the tiles cannot hold stay in the row layout: rows not a multiple of 16, int8, Q4_K's
-    two-level form, fp32 scales or offsets. A quantized Linear holds its int4 weight tiled."""
+    two-level form, fp32 scales or offsets; tiled slices stack in the row layout. A quantized Linear
+    holds its int4 weight tiled."""
     gen = torch.Generator().manual_seed(7)
     sym = q.quantize(torch.randn(40, 256, generator=gen), "int4")
     kept = [q.quantize(torch.randn(40, 256, generator=gen), "int4").rows(slice(0, 33)),
@@ -744,6 +745,9 @@ def test_tile_takes_only_what_the_kernel_reads_and_layers_hold_tiles():
             q.QuantizedWeight("int4", sym.qweight[:32], sym.scales[:32], 32, 256, torch.zeros(32, 8))]
     for weight in kept:
         assert q.tile(weight) is weight
+    a, b = (q.quantize(torch.randn(rows, 256, generator=gen), "int4") for rows in (32, 16))
+    for x, y in zip(q.stack_rows([q.tile(a), q.tile(b)]).tensors(), q.stack_rows([a, b]).tensors()):
+        assert torch.equal(x, y)  # tiled slices stack in the row layout
     layer = Linear(256, [48, 16], False, torch.float32, CPU)
     layer.weight.data.copy_(torch.randn(64, 256, generator=gen))
     dense = layer.weight.detach().clone()

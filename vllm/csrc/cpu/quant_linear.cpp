@@ -1217,7 +1217,8 @@ void tiled_int4(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qw
   TORCH_CHECK(tile_rows() > 0, "int4 weights in row tiles need the AVX512-VNNI build of this kernel");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
               "x must be contiguous fp32 or bf16 [M, K]");
-  TORCH_CHECK(group == kBlock && qweight.is_contiguous() && qweight.size(2) == 256 && x.size(1) == qweight.size(1) * kBlock,
+  TORCH_CHECK(group == kBlock && qweight.is_contiguous() && qweight.size(2) == 256 &&
+                  x.size(1) == qweight.size(1) * kBlock,
               "tiled int4 weights are contiguous uint8 [N / 16, K / 32, 256] in groups of 32, got ", qweight.sizes(),
               " for K = ", x.size(1));
   const auto tiled_like = [&](const at::Tensor& t) {

@@ -182,7 +182,8 @@ def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
     GGUF files store q/k/v and gate/up), or None where they differ in method, group, input size,
     scale or offset dtype or in having offsets or superblocks. Each output row is computed from its
     own row alone, so the stacked weight's product equals the slices' products side by side, bit for
-    bit, in one call."""
+    bit, in one call. Tiled weights are stacked in the row layout (`tile` the result to tile it)."""
+    weights = [untile(w) if w.tiled else w for w in weights]
     first = weights[0]
     shape = lambda w: (w.method, w.group, w.in_features, w.scales.dtype,  # noqa: E731
                        None if w.offsets is None else w.offsets.dtype, w.superblocks is None)

@@ -77,7 +77,7 @@ def test_quantized_steps_of_many_rows_run_natively(llama_dir, tokenizer, monkeyp
     prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 3]
     native, python = both_paths(llm, tokenizer, prompts=prompts)
     # int4 in row tiles (where the kernel has them, this model's every linear) runs any number of rows natively
-    limit = quantization.NATIVE_MAX_ROWS_INT4_TILES if quantization.tile_rows() else quantization.NATIVE_MAX_ROWS_INT4
+    limit = quantization.NATIVE_MAX_ROWS_TILES if quantization.tile_rows() else quantization.NATIVE_MAX_ROWS_INT4
     assert all(layer._native_decode.max_rows == limit for layer in native_layers(llm))
     assert max(calls) > dense_gemv.NATIVE_MAX_ROWS and native == python  # the prompts' step ran natively
 

@@ -682,27 +682,32 @@ needs_tiles = pytest.mark.skipif(q.native_available() and q.tile_rows() == 0,
                                  reason="the native kernel's int4 row tiles need AVX512-VNNI")
 
 
-def _int4_forms(n: int, k: int, gen: torch.Generator) -> dict[str, q.QuantizedWeight]:
-    """int4 in each form `tile` takes: symmetric with bf16 scales (at load), GGUF Q4_0's fp16 scales,
-    and GGUF Q4_1's fp16 scales with fp16 mins beside them."""
+def _tile_forms(n: int, k: int, gen: torch.Generator) -> dict[str, q.QuantizedWeight]:
+    """Each form `tile` takes: int4 symmetric with bf16 scales (at load), GGUF Q4_0's fp16 scales, GGUF
+    Q4_1's fp16 scales with fp16 mins beside them; int8 per channel (at load) and GGUF Q8_0's (fp16 d
+    per 32, the full int8 range, -128 included)."""
     sym = q.quantize(torch.randn(n, k, generator=gen), "int4")
     scales, mins = q.q4_1_scales_and_mins(sym.scales.half(), (torch.randn(n, k // 32, generator=gen) / 20).half())
+    q8_0 = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     return {"bf16": sym, "q4_0": q.QuantizedWeight("int4", sym.qweight, sym.scales.half(), 32, k),
-            "q4_1": q.QuantizedWeight("int4", sym.qweight, scales, 32, k, mins)}
+            "q4_1": q.QuantizedWeight("int4", sym.qweight, scales, 32, k, mins),
+            "int8": q.quantize(torch.randn(n, k, generator=gen), "int8"),
+            "q8_0": q.QuantizedWeight("int8", q8_0, (torch.rand(n, k // 32, generator=gen) / 100).half(), 32, k)}
 
 
 @needs_tiles
 @pytest.mark.parametrize("k", [64, 576, 1536])
 @pytest.mark.parametrize("rows", [1, 2, 5, 70, 2100])  # 2100: past the row layout's native limit, still native
-@pytest.mark.parametrize("form", ["bf16", "q4_0", "q4_1"])
-def test_int4_row_tiles_equal_reference(form, rows, k):
+@pytest.mark.parametrize("form", ["bf16", "q4_0", "q4_1", "int8", "q8_0"])
+def test_row_tiles_equal_reference(form, rows, k):
     """A weight `tile` lays out in row tiles computes reference_linear (fp32 and bf16 x), holds the
     row layout's bytes (`untile` gives them back bit for bit; dequantize reads the tiles), and runs
     the same kernel entry from Python and from the native decoder layer (linear_int4)."""
     gen = torch.Generator().manual_seed(rows + k)
-    weight = _int4_forms(48, k, gen)[form]
+    weight = _tile_forms(48, k, gen)[form]
     tiled = q.tile(weight)
-    assert tiled.tiled and tiled.qweight.shape == (3, k // 32, 256) and tiled.out_features == 48
+    block_bytes = 256 if weight.method == "int4" else 512
+    assert tiled.tiled and tiled.qweight.shape == (3, k // 32, block_bytes) and tiled.out_features == 48
     assert tiled.nbytes == weight.nbytes
     back = q.untile(tiled)
     for a, b in zip(back.tensors(), weight.tensors()):
@@ -712,16 +717,16 @@ def test_int4_row_tiles_equal_reference(form, rows, k):
     assert q._runs_native(x, tiled)
     _check_kernel(q.quantized_linear(x, tiled, None), x, weight)
     out = torch.empty(rows, 48, dtype=torch.bfloat16)
-    torch.ops.vllm_quant.linear_int4(out, x.bfloat16(), tiled.qweight, tiled.scales, 32, tiled.offsets)
+    q._native_linear(out, x.bfloat16(), tiled)  # linear_int4 / linear_int8, as the native decoder layer calls them
     assert torch.equal(out, q.quantized_linear(x.bfloat16().float(), tiled, None).bfloat16())
 
 
 @needs_tiles
-def test_int4_row_tiles_give_a_row_the_same_result_in_any_batch_or_thread_count():
+def test_row_tiles_give_a_row_the_same_result_in_any_batch_or_thread_count():
     """Four tiles read side by side for one row of x, four rows of x sharing each unpacked block for
     several: a row's output is bitwise the same alone, in any batch, and on 1 or 2 threads."""
     gen = torch.Generator().manual_seed(5)
-    for weight in _int4_forms(16 * 37, 576, gen).values():
+    for weight in _tile_forms(16 * 37, 576, gen).values():
         tiled, x = q.tile(weight), torch.randn(11, 576, generator=gen)
         one, two = on_thread_counts(lambda: q.quantized_linear(x, tiled, None))
         assert torch.equal(one, two)
@@ -734,13 +739,14 @@ def test_int4_row_tiles_give_a_row_the_same_result_in_any_batch_or_thread_count(
 
 @needs_tiles
 def test_tile_takes_only_what_the_kernel_reads_and_layers_hold_tiles():
-    """Weights the tiles cannot hold stay in the row layout: rows not a multiple of 16, int8, Q4_K's
-    two-level form, fp32 scales or offsets; tiled slices stack in the row layout. A quantized Linear
-    holds its int4 weight tiled."""
+    """Weights the tiles cannot hold stay in the row layout: rows not a multiple of 16, int8 in groups
+    other than 32 and K, Q4_K's two-level form, int4 with fp32 scales or offsets; tiled slices stack in
+    the row layout. A quantized Linear holds its weight tiled."""
     gen = torch.Generator().manual_seed(7)
     sym = q.quantize(torch.randn(40, 256, generator=gen), "int4")
     kept = [q.quantize(torch.randn(40, 256, generator=gen), "int4").rows(slice(0, 33)),
-            q.quantize(torch.randn(48, 256, generator=gen), "int8"), _kquant(48, 256, gen),
+            q.quantize(torch.randn(40, 256, generator=gen), "int8").rows(slice(0, 33)),
+            _weight("int8", 48, 256, 64, gen), _weight("int8", 48, 256, 16, gen), _kquant(48, 256, gen),
             q.QuantizedWeight("int4", sym.qweight[:32], sym.scales[:32].float(), 32, 256),
             q.QuantizedWeight("int4", sym.qweight[:32], sym.scales[:32], 32, 256, torch.zeros(32, 8))]
     for weight in kept:
@@ -760,11 +766,14 @@ def test_tile_takes_only_what_the_kernel_reads_and_layers_hold_tiles():
 
 @needs_tiles
 def test_tiled_kernel_refuses_mismatched_tensors():
-    weight = q.tile(_int4_forms(32, 64, torch.Generator().manual_seed(1))["q4_1"])
+    forms = _tile_forms(32, 64, torch.Generator().manual_seed(1))
+    weight, int8 = q.tile(forms["q4_1"]), q.tile(forms["q8_0"])
     x, out = torch.randn(1, 64), torch.empty(1, 32)
     with pytest.raises(RuntimeError, match="tiled int4 scales must be"):
         torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales[:, :1], 32, weight.offsets)
     with pytest.raises(RuntimeError, match="tiled int4 offsets must be fp16 mins"):
         torch.ops.vllm_quant.linear_int4(out, x, weight.qweight, weight.scales, 32, weight.offsets.float())
-    with pytest.raises(RuntimeError, match=r"contiguous uint8 \[N / 16, K / 32, 256\]"):
+    with pytest.raises(RuntimeError, match=r"tiled weights are contiguous \[N / 16, K / 32, 256\]"):
         torch.ops.vllm_quant.linear_int4(out, torch.randn(1, 96), weight.qweight, weight.scales, 32, weight.offsets)
+    with pytest.raises(RuntimeError, match="tiled int8 scales must be"):
+        torch.ops.vllm_quant.linear_int8(out, x, int8.qweight, int8.scales.bfloat16(), 32)

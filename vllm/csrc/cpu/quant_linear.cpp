@@ -61,10 +61,10 @@
  * several, paired int4 tiles are neighbouring rows asked into L2 8 KB ahead by software prefetch
  * (see the work split and quant_linear's comments).
  *
- * Row tiles (int4_tiles.h, AVX512-VNNI builds): an int4 qweight of 3 dims [N / 16, K / 32, 256] is
- * quantization.py's `tile` layout, 16 rows interleaved per block; linear_int4 hands it to
- * tiled_linear (x quantized as here, the tasks splitting the tiles). `tile_rows` says whether
- * this build has them.
+ * Row tiles (quant_tiles.h, AVX512-VNNI builds): a qweight of 3 dims, int4 [N / 16, K / 32, 256]
+ * or int8 [N / 16, K / 32, 512], is quantization.py's `tile` layout, 16 rows interleaved per
+ * block; linear_int4 and linear_int8 hand it to tiled_linear (x quantized as here, the tasks
+ * splitting the tiles). `tile_rows` says whether this build has them.
  *
  * Work split: x is quantized once per call, then at::parallel_for over output features, in
  * tiles of 4 weight rows that share each block of x; a tile is read from memory once per call
@@ -97,7 +97,7 @@
 // The paired int4 path's eight pairs at a time in 512-bit vectors (dot_int4_pairs).
 #if defined(VLLM_QUANT_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VLLM_QUANT_OCTS 1
-#include "int4_tiles.h"
+#include "quant_tiles.h"
 #endif
 
 // The op namespace; a test builds this file a second time without AVX2 under another name.
@@ -842,11 +842,11 @@ void group_sums(const int8_t* xq, const float* xs, int64_t M, int64_t K, int64_t
 }
 
 // byte_scales: a K-quant's sub-scales, which must be of that byte type, instead of fp32, bf16 or fp16 ones.
-// Rows a tile of int4_tiles.h interleaves where this build has them (AVX512-VNNI), else 0:
+// Rows a tile of quant_tiles.h interleaves where this build has them (AVX512-VNNI), else 0:
 // quantization.py lays weights out in tiles only where the kernel reads them.
 int64_t tile_rows() {
 #ifdef VLLM_QUANT_OCTS
-  return vllm_int4_tiles::kTileRows;
+  return vllm_quant_tiles::kTileRows;
 #else
   return 0;
 #endif
@@ -1165,82 +1165,118 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 #ifdef VLLM_QUANT_OCTS
 // Rows of x per pass over a task's tiles (several rows): as many as fit kXChunkBytes of xq, which
 // then stays in L2 while each tile's blocks pass over it.
-int64_t tile_x_chunk(int64_t K) { return std::max<int64_t>(vllm_int4_tiles::kRowsOfX, kXChunkBytes / K); }
+int64_t tile_x_chunk(int64_t K) { return std::max<int64_t>(vllm_quant_tiles::kRowsOfX, kXChunkBytes / K); }
 
-// int4 weights in row tiles (int4_tiles.h): out [M, N] = x' @ W'.T. x is quantized once per call
-// as on the row layout; the tasks split the tiles.
-template <typename S>
+// A weight in row tiles of format F (quant_tiles.h): out [M, N] = x' @ W'.T. x is quantized once
+// per call as on the row layout, with the block sums (int4) or x + 128 (int8) the format reads;
+// the tasks split the tiles.
+template <typename F>
 void tiled_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const at::Tensor* mins) {
-  using vllm_int4_tiles::kTileRows;
+  using S = typename F::Scale;
+  using vllm_quant_tiles::kTileRows;
+  constexpr bool kInt8 = F::kInt8;
   const int64_t M = x.size(0), K = x.size(1), T = qweight.size(0), B = qweight.size(1), N = T * kTileRows;
   Workspace& work = calling_thread_workspace();
   quantize_x(x, work);
-  work.xsum.resize(M * B);
   const int8_t* xq = work.xq.data();
+  work.xsum.resize(kInt8 ? 0 : M * B);
+  work.xu.resize(kInt8 ? M * K : 0);
   int32_t* xsum = work.xsum.data();
+  uint8_t* xu = work.xu.data();
   at::parallel_for(0, M * B, kPrepRowsPerTask * B, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      int32_t s = 0;
-      for (int64_t j = 0; j < kBlock; ++j) s += xq[i * kBlock + j];
-      xsum[i] = s;
+      if constexpr (kInt8) {
+        for (int64_t j = 0; j < kBlock; ++j) xu[i * kBlock + j] = static_cast<uint8_t>(xq[i * kBlock + j] + 128);
+      } else {
+        int32_t s = 0;
+        for (int64_t j = 0; j < kBlock; ++j) s += xq[i * kBlock + j];
+        xsum[i] = s;
+      }
     }
   });
-  std::vector<vllm_int4_tiles::XRow> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = {work.xq.data() + m * K, work.xs.data() + m * B, work.xsum.data() + m * B};
+  std::vector<vllm_quant_tiles::XRow> rows(M);
+  for (int64_t m = 0; m < M; ++m)
+    rows[m] = {xq + m * K, kInt8 ? xu + m * K : nullptr, work.xs.data() + m * B, kInt8 ? nullptr : xsum + m * B};
   const bool bf16_out = out.scalar_type() == at::kBFloat16;
-  const vllm_int4_tiles::Out to{bf16_out ? nullptr : out.data_ptr<float>(),
-                                bf16_out ? static_cast<uint16_t*>(out.data_ptr()) : nullptr, N};
+  const vllm_quant_tiles::Out to{bf16_out ? nullptr : out.data_ptr<float>(),
+                                 bf16_out ? static_cast<uint16_t*>(out.data_ptr()) : nullptr, N};
   const auto* qp = static_cast<const uint8_t*>(qweight.data_ptr());
   const S* sp = reinterpret_cast<const S*>(scales.data_ptr());
   const S* mp = mins == nullptr ? nullptr : reinterpret_cast<const S*>(mins->data_ptr());
   const int64_t chunk = M == 1 ? 1 : tile_x_chunk(K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t m1 = std::min(M, m0 + chunk);
-      if (mp != nullptr)
-        vllm_int4_tiles::tiles_range<true>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data(), m0, m1, to,
-                                           t0, t1);
-      else
-        vllm_int4_tiles::tiles_range<false>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data(), m0, m1,
-                                            to, t0, t1);
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += chunk)
+      vllm_quant_tiles::tiles_range<F>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data(), m0,
+                                       std::min(M, m0 + chunk), to, t0, t1);
   });
   work.trim();
 }
 #endif
 
+// What every tiled weight's call checks: x, out and the tiles' shape against K (qweight
+// [N / 16, K / 32, block_bytes]).
+void check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t block_bytes) {
+  TORCH_CHECK(tile_rows() > 0, "quantized weights in row tiles need the AVX512-VNNI build of this kernel");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
+              "x must be contiguous fp32 or bf16 [M, K]");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(2) == block_bytes && x.size(1) == qweight.size(1) * kBlock,
+              "tiled weights are contiguous [N / 16, K / 32, ", block_bytes, "], got ", qweight.sizes(), " for K = ",
+              x.size(1));
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
+                  out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == qweight.size(0) * 16,
+              "out must be contiguous fp32 or bf16 [M, N]");
+}
+
+// Scales of a tiled weight: [N / 16, G, 16], each 16 contiguous, G the groups per row.
+bool tiled_scales(const at::Tensor& t, const at::Tensor& qweight, int64_t groups) {
+  return t.dim() == 3 && t.size(0) == qweight.size(0) && t.size(1) == groups && t.size(2) == 16 && t.stride(2) == 1;
+}
+
 // int4 weights in row tiles (quantization.py's `tile`): qweight [T, B, 256], scales [T, B, 16]
 // bf16 or fp16, Q4_1's fp16 mins as the scales' neighbours; checked, then tiled_linear.
 void tiled_int4(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 int64_t group, const std::optional<at::Tensor>& mins) {
-  TORCH_CHECK(tile_rows() > 0, "int4 weights in row tiles need the AVX512-VNNI build of this kernel");
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
-              "x must be contiguous fp32 or bf16 [M, K]");
-  TORCH_CHECK(group == kBlock && qweight.is_contiguous() && qweight.size(2) == 256 &&
-                  x.size(1) == qweight.size(1) * kBlock,
-              "tiled int4 weights are contiguous uint8 [N / 16, K / 32, 256] in groups of 32, got ", qweight.sizes(),
-              " for K = ", x.size(1));
-  const auto tiled_like = [&](const at::Tensor& t) {
-    return t.dim() == 3 && t.size(0) == qweight.size(0) && t.size(1) == qweight.size(1) && t.size(2) == 16 &&
-           t.stride(2) == 1;
-  };
+  check_tiled(out, x, qweight, 256);
+  TORCH_CHECK(group == kBlock, "tiled int4 weights come in groups of 32, got ", group);
   const bool half = scales.scalar_type() == at::kHalf;
-  TORCH_CHECK(tiled_like(scales) && (half || scales.scalar_type() == at::kBFloat16),
+  TORCH_CHECK(tiled_scales(scales, qweight, qweight.size(1)) && (half || scales.scalar_type() == at::kBFloat16),
               "tiled int4 scales must be bf16 or fp16 [N / 16, K / 32, 16], each 16 contiguous");
-  TORCH_CHECK(!mins || (half && mins->scalar_type() == at::kHalf && tiled_like(*mins) &&
+  TORCH_CHECK(!mins || (half && mins->scalar_type() == at::kHalf && tiled_scales(*mins, qweight, qweight.size(1)) &&
                         mins->strides() == scales.strides()),
               "tiled int4 offsets must be fp16 mins [N / 16, K / 32, 16] with fp16 scales, strided as the scales");
-  const int64_t N = qweight.size(0) * 16;
-  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
-                  out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == N,
-              "out must be contiguous fp32 or bf16 [M, N]");
 #ifdef VLLM_QUANT_OCTS
+  using vllm_quant_tiles::Int4;
   const at::Tensor* m = mins ? &*mins : nullptr;
-  if (half)
-    tiled_linear<c10::Half>(out, x, qweight, scales, m);
+  if (m != nullptr)
+    tiled_linear<Int4<true, c10::Half>>(out, x, qweight, scales, m);
+  else if (half)
+    tiled_linear<Int4<false, c10::Half>>(out, x, qweight, scales, m);
   else
-    tiled_linear<uint16_t>(out, x, qweight, scales, m);
+    tiled_linear<Int4<false, uint16_t>>(out, x, qweight, scales, m);
+#endif
+}
+
+// int8 weights in row tiles: qweight [T, B, 512], scales fp32 [T, 1, 16] per output channel (group
+// K) or fp32 / fp16 [T, B, 16] per block of 32 (GGUF Q8_0's d); checked, then tiled_linear.
+void tiled_int8(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                int64_t group) {
+  check_tiled(out, x, qweight, 512);
+  const int64_t K = x.size(1);
+  const bool per_channel = group == K, half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((per_channel || group == kBlock) &&
+                  tiled_scales(scales, qweight, per_channel ? 1 : qweight.size(1)) &&
+                  (scales.scalar_type() == at::kFloat || (half && !per_channel)),
+              "tiled int8 scales must be fp32 [N / 16, 1, 16] per output channel (group K) or fp32 / fp16 "
+              "[N / 16, K / 32, 16] in groups of 32, each 16 contiguous");
+#ifdef VLLM_QUANT_OCTS
+  using vllm_quant_tiles::Int8;
+  if (per_channel)
+    tiled_linear<Int8<false, float>>(out, x, qweight, scales, nullptr);
+  else if (half)
+    tiled_linear<Int8<true, c10::Half>>(out, x, qweight, scales, nullptr);
+  else
+    tiled_linear<Int8<true, float>>(out, x, qweight, scales, nullptr);
 #endif
 }
 
@@ -1269,6 +1305,11 @@ void round_activations(const at::Tensor& out, const at::Tensor& x) {
 void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        int64_t group, const std::optional<at::Tensor>& superblocks) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "int8 qweight must be int8");
+  if (qweight.dim() == 3) {
+    TORCH_CHECK(!superblocks, "Q6_K stays in the row layout");
+    tiled_int8(out, x, qweight, scales, group);
+    return;
+  }
   if (superblocks.has_value()) {  // GGUF Q6_K: int8 sc per 16, d per 256
     const int64_t N = qweight.size(0), G = x.dim() == 2 ? x.size(1) / group : 0;
     TORCH_CHECK(group == 16 && G % 16 == 0 && superblocks->scalar_type() == at::kFloat &&
@@ -1287,12 +1328,12 @@ void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Ten
                        int64_t group, const std::optional<at::Tensor>& offsets,
                        const std::optional<at::Tensor>& superblocks) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "int4 qweight must be uint8 (two values per byte)");
-  TORCH_CHECK(group % kBlock == 0, "int4 group (", group, ") must be a multiple of 32");
   if (qweight.dim() == 3) {
     TORCH_CHECK(!superblocks, "K-quants stay in the row layout");
     tiled_int4(out, x, qweight, scales, group, offsets);
     return;
   }
+  TORCH_CHECK(group % kBlock == 0, "int4 group (", group, ") must be a multiple of 32");
   const int64_t N = qweight.size(0), G = x.size(1) / group;
   if (superblocks.has_value()) {  // GGUF Q4_K: sc and m as bytes, d and dmin per 8 groups
     check_inputs(out, x, qweight, scales, group, 2, at::kByte);

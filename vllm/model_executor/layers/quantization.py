@@ -43,10 +43,11 @@ Invariants:
     (`dense_gemv.fp32_linear`), which wins once there are enough rows to spread the dequantizing
     over; x' comes from the extension's one-pass `round_activations`, bitwise equal to
     `round_activations` here. Without the native kernel every call takes the tiled torch path.
-  - Where the native kernel has them (AVX512-VNNI), a layer's int4 weight in groups of 32 with bf16 or
-    fp16 scales (and Q4_1's fp16 mins) and a multiple of 16 rows is held in row tiles (`tile`; layout
-    and semantics in vllm/csrc/cpu/int4_tiles.h): the same bytes, moved so one instruction serves 16
-    rows. Everything else reads it through `untile` (its exact inverse): slicing, dequantizing.
+  - Where the native kernel has them (AVX512-VNNI), a layer's weight with a multiple of 16 rows is
+    held in row tiles (`tile`; which formats in `_tileable`: int4 and int8 at load, GGUF Q4_0, Q4_1 and
+    Q8_0; layouts and semantics in vllm/csrc/cpu/quant_tiles.h): the same bytes, moved so one
+    instruction serves 16 rows. Everything else reads it through `untile` (its exact inverse):
+    slicing, dequantizing.
   - Only the base weights are quantized: LoRA slots and the embedding's lookup table stay in the
     model's dtype. The LM head is quantized too, per output channel int8 under both methods
     (as llama.cpp keeps its output matrix at 6-8 bits): layers/vocab_embedding.py.
@@ -65,7 +66,7 @@ from vllm.model_executor.layers.dense_gemv import fp32_linear
 
 METHODS = ("int8", "int4")
 INT4_GROUP = 32
-ROW_TILE = 16  # weight rows per int4 row tile (vllm/csrc/cpu/int4_tiles.h's kTileRows)
+ROW_TILE = 16  # weight rows per row tile (vllm/csrc/cpu/quant_tiles.h's kTileRows)
 KQUANT_SUPERBLOCK = 256  # weights per GGUF K-quant superblock (d, dmin)
 ACT_BLOCK = 32  # input features per activation scale
 TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bounds the temporary)
@@ -77,10 +78,10 @@ TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bound
 # 512. int8 in groups (GGUF Q8_0, Q6_K: a scale per 16 or 32 weights to apply per row of x):
 # 0.18-0.99x at 64, 0.36-0.96x at 128, 0.57-1.55x at 256.
 NATIVE_MAX_ROWS_INT4 = 2048
-# int4 in row tiles (`tile`): any number of rows. The kernel took 0.34-0.40x the tiled torch path's time
-# at 1,024 and 2,048 rows (one Zen 4 thread; SmolLM2's 3072 x 576 and 576 x 1536, Granite-3.3-2B's
-# 2048 x 2048 and 16384 x 2048), its time growing with the rows.
-NATIVE_MAX_ROWS_INT4_TILES = 1 << 20
+# Weights in row tiles (`tile`): any number of rows. int4 took 0.31-0.41x the tiled torch path's time at
+# 2,048-8,192 rows (one Zen 4 thread; SmolLM2's 3072 x 576 and 576 x 1536, Granite-3.3-2B's 2048 x 2048
+# and 16384 x 2048), its time growing with the rows.
+NATIVE_MAX_ROWS_TILES = 1 << 20
 NATIVE_MAX_ROWS_INT8 = 256
 NATIVE_MAX_ROWS_INT8_GROUPED = 64
 # How far (relative to a group's largest magnitude) a group may lie from its min-max 4-bit grid and
@@ -106,7 +107,7 @@ class QuantizedWeight:
     # a group's scale is d * sc (exact), its offset 8 * d * sc - dmin * m (rounded once). Q6_K
     # (int8, groups of 16): fp32 [N, K / 256, 1], d; scales the groups' int8 sc; scale d * sc.
     superblocks: Optional[torch.Tensor] = None
-    # int4 in row tiles (`tile`): qweight [N / 16, K / 32, 256], scales (and mins) [N / 16, K / 32, 16]
+    # in row tiles (`tile`): qweight [N / 16, K / 32, 256 (int4) or 512 (int8)], scales (and mins) [N / 16, G, 16]
     tiled: bool = False
 
     @property
@@ -153,7 +154,7 @@ class QuantizedWeight:
             start, stop, _ = rows.indices(self.out_features)
             first, last = start // ROW_TILE, -(-stop // ROW_TILE)
             pick = lambda t: None if t is None else t[first:last]  # noqa: E731
-            tiles = QuantizedWeight("int4", self.qweight[first:last], self.scales[first:last], self.group,
+            tiles = QuantizedWeight(self.method, self.qweight[first:last], self.scales[first:last], self.group,
                                     self.in_features, pick(self.offsets), tiled=True)
             return untile(tiles).dequantize(slice(start - first * ROW_TILE, stop - first * ROW_TILE))
         part = self.rows(rows)
@@ -197,46 +198,59 @@ def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
                            offsets, cat([w.superblocks for w in weights]))
 
 def tile_rows() -> int:
-    """Rows per tile of the native kernel's int4 row tiles (vllm/csrc/cpu/int4_tiles.h), or 0 where it
-    has none (no AVX512-VNNI, no native kernel)."""
+    """Rows per tile of the native kernel's row tiles (vllm/csrc/cpu/quant_tiles.h), or 0 where it has
+    none (no AVX512-VNNI, no native kernel)."""
     if not native_available():
         return 0
     return torch.ops.vllm_quant.tile_rows()
 
 
+def _tileable(weight: QuantizedWeight) -> bool:
+    """Whether the kernel's row tiles hold `weight` (quant_tiles.h): a multiple of 16 rows, no K-quant
+    superblocks; int4 in groups of 32 with bf16 or fp16 scales (at load, GGUF Q4_0), or fp16 scales and
+    Q4_1's fp16 mins; int8 per output channel with fp32 scales (at load) or in groups of 32 with fp32
+    or fp16 scales (GGUF Q8_0), K a multiple of 32."""
+    if weight.tiled or weight.superblocks is not None or weight.out_features % ROW_TILE:
+        return False
+    scales, mins = weight.scales.dtype, weight.offsets
+    if weight.method == "int4":
+        return weight.group == INT4_GROUP and scales in (torch.bfloat16, torch.float16) and (
+            mins is None or (mins.dtype == torch.float16 and scales == torch.float16))
+    k = weight.in_features
+    return k % ACT_BLOCK == 0 and ((weight.group == k and scales == torch.float32)
+                                   or (weight.group == ACT_BLOCK and scales in (torch.float32, torch.float16)))
+
+
 def tile(weight: QuantizedWeight) -> QuantizedWeight:
-    """`weight` laid out for the native kernel's int4 row tiles (int4_tiles.h states the layout: 16
-    rows interleaved per block of 32 features) where the kernel has them and the weight qualifies:
-    int4 in groups of 32 with bf16 or fp16 scales (this file's, GGUF Q4_0's), or fp16 Q4_1 mins, and a
-    multiple of 16 rows; else `weight` as it is. The same bytes, moved: `untile` is its exact inverse."""
-    rows = tile_rows()
-    mins = weight.offsets
-    if (rows != ROW_TILE or weight.tiled or weight.method != "int4" or weight.group != INT4_GROUP
-            or weight.superblocks is not None or weight.out_features % ROW_TILE
-            or weight.scales.dtype not in (torch.bfloat16, torch.float16)
-            or (mins is not None and (mins.dtype != torch.float16 or weight.scales.dtype != torch.float16))):
+    """`weight` laid out in the native kernel's row tiles (quant_tiles.h states the layouts: 16 rows
+    interleaved per block of 32 features) where the kernel has them and `_tileable` says it holds the
+    weight; else `weight` as it is. The same bytes, moved: `untile` is its exact inverse."""
+    if tile_rows() != ROW_TILE or not _tileable(weight):
         return weight
-    t, b = weight.out_features // ROW_TILE, weight.in_features // INT4_GROUP
+    t, b, g = weight.out_features // ROW_TILE, weight.in_features // ACT_BLOCK, weight.scales.shape[1]
+    chunks = 4 if weight.method == "int4" else 8  # of 4 bytes per row and block
     # byte 4c + j of a row's block -> chunk c, lane 4r + j of its tile's block
-    qweight = weight.qweight.view(t, ROW_TILE, b, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, b, 256).contiguous()
-    per_tile = lambda s: s.view(t, ROW_TILE, b).permute(0, 2, 1)  # noqa: E731  [T, B, 16]
-    if mins is None:
-        return QuantizedWeight("int4", qweight, per_tile(weight.scales).contiguous(), INT4_GROUP,
+    qweight = weight.qweight.view(t, ROW_TILE, b, chunks, 4).permute(0, 2, 3, 1, 4).reshape(t, b, 64 * chunks)
+    per_tile = lambda s: s.view(t, ROW_TILE, g).permute(0, 2, 1)  # noqa: E731  [T, G, 16]
+    if weight.offsets is None:
+        return QuantizedWeight(weight.method, qweight.contiguous(), per_tile(weight.scales).contiguous(), weight.group,
                                weight.in_features, tiled=True)
-    both = torch.stack([per_tile(weight.scales), per_tile(mins)], dim=2)  # [T, B, 2, 16]: one stream
-    return QuantizedWeight("int4", qweight, both[:, :, 0], INT4_GROUP, weight.in_features, both[:, :, 1], tiled=True)
+    both = torch.stack([per_tile(weight.scales), per_tile(weight.offsets)], dim=2)  # [T, B, 2, 16]: one stream
+    return QuantizedWeight("int4", qweight.contiguous(), both[:, :, 0], INT4_GROUP, weight.in_features, both[:, :, 1],
+                           tiled=True)
 
 
 def untile(weight: QuantizedWeight) -> QuantizedWeight:
     """A tiled weight back in the row layout (`tile`'s inverse, bit for bit)."""
     t, b = weight.qweight.shape[:2]
-    n = t * ROW_TILE
-    qweight = weight.qweight.view(t, b, 4, ROW_TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, b * 16).contiguous()
-    per_row = lambda s: s.permute(0, 2, 1).reshape(n, b)  # noqa: E731
+    n, g, chunks = t * ROW_TILE, weight.scales.shape[1], 4 if weight.method == "int4" else 8
+    qweight = weight.qweight.view(t, b, chunks, ROW_TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, b * 4 * chunks)
+    per_row = lambda s: s.permute(0, 2, 1).reshape(n, g)  # noqa: E731
     scales, mins = per_row(weight.scales), None if weight.offsets is None else per_row(weight.offsets)
     if mins is not None:
         scales, mins = q4_1_scales_and_mins(scales, mins)
-    return QuantizedWeight("int4", qweight, scales.contiguous(), weight.group, weight.in_features, mins)
+    return QuantizedWeight(weight.method, qweight.contiguous(), scales.contiguous(), weight.group, weight.in_features,
+                           mins)
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
@@ -329,8 +343,10 @@ KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)  # x and out dtypes the kerne
 
 def native_max_rows(weight: QuantizedWeight) -> int:
     """Rows of x up to which `weight`'s products run the native kernel (NATIVE_MAX_ROWS_*)."""
+    if weight.tiled:
+        return NATIVE_MAX_ROWS_TILES
     if weight.method == "int4":
-        return NATIVE_MAX_ROWS_INT4_TILES if weight.tiled else NATIVE_MAX_ROWS_INT4
+        return NATIVE_MAX_ROWS_INT4
     return NATIVE_MAX_ROWS_INT8 if weight.group == weight.in_features else NATIVE_MAX_ROWS_INT8_GROUPED
 
 

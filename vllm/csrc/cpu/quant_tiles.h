@@ -1,0 +1,256 @@
+/*
+ * Quantized weights in row tiles: 16 output rows interleaved in the lanes of one vector, so one
+ * vpdpbusd multiplies 4 features of all 16 rows by a broadcast of 4 bytes of x, and a block's
+ * integer sums come out as one vector of 16 rows, scaled once, with no sums across lanes. The
+ * row layout's loops (quant_linear.cpp) sum each row's lanes per block before scaling it (int4's
+ * paired loop: 9 of its 21 vector operations per 512 multiply-adds on many rows of x). Here an
+ * int4 block of 16 rows costs 4 loads and 8 masks, shared by every row of x, then per row of x 8
+ * vpdpbusd and ~6 scaling operations; an int8 block 8 loads and 8 vpdpbusd for its weight sums,
+ * shared, then per row of x 8 vpdpbusd and ~4 more. One Zen 4 thread: SmolLM2's int4 decode
+ * linears from cache 0.42x the row layout's time, from memory 0.85-0.94x (bound by the read
+ * rate), 4-32 rows of x 0.40-0.42x; a 512-token int4 prompt in the engine 0.44x. Included by
+ * quant_linear.cpp where the compiler targets AVX512-VNNI (VLLM_QUANT_OCTS); quantization.py
+ * lays weights out this way only where the kernel has it (`tile_rows`).
+ *
+ * Layouts (quantization.py's `tile`): a weight of N = 16 T rows and K = 32 B features,
+ *   int4 qweight uint8 [T, B, 256]: tile t, block b is 4 chunks of 64 bytes; byte 4 r + j of chunk
+ *     c holds row 16 t + r's element 32 b + 4 c + j (stored q + 8) in its low nibble and element
+ *     32 b + 16 + 4 c + j in its high nibble (the same two elements a row-layout byte pairs);
+ *     scales [T, B, 16] (bf16 bits: int4 at load, or fp16: GGUF Q4_0's d, Q4_1's d) and, for
+ *     Q4_1, fp16 mins m beside them (views of one [T, B, 2, 16] tensor: one memory stream).
+ *   int8 qweight int8 [T, B, 512]: block b is 8 chunks of 64 bytes; byte 4 r + j of chunk c holds
+ *     row 16 t + r's element 32 b + 4 c + j; scales per output channel fp32 [T, 1, 16] (group K,
+ *     `--quantization int8`) or per block [T, B, 16] (group 32: GGUF Q8_0's fp16 d).
+ *
+ * Semantics (quant_linear.cpp's, the same reference): per row of x, block b and weight row n,
+ *   int4: U = sum_j u[n, j] xq[j] over the block (u the stored nibble, exact in int32),
+ *         X = sum_j xq[j];
+ *         symmetric: acc[n] += float(U - 8 X) * (d[n] * xs[b])
+ *         Q4_1:      acc[n] += (float(U) * d[n] + m[n] * float(X)) * xs[b]     (w = d u + m)
+ *   int8: I = sum_j w[n, j] xq[j], formed as sum_j w (xq + 128) - 128 sum_j w (exact in int32)
+ *         per block: acc[n] += float(I) * (d[n] * xs[b]); per channel: acc[n] += float(I) * xs[b],
+ *         then out[n] = acc[n] * s[n]
+ * over b = 0 .. B - 1 in order, acc starting at 0: each (row of x, weight row) the same operations
+ * in the same order however many rows of x or tiles share a pass, so its sum does not depend on
+ * the batch, the thread count or the work split.
+ */
+
+#pragma once
+
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bf16_bits.h"
+
+namespace vllm_quant_tiles {
+
+constexpr int64_t kTileRows = 16;     // weight rows a tile interleaves
+// Tiles one row of x reads side by side, each its own stream: the hardware prefetchers keep
+// more lines in flight (SmolLM2's 120 int4 decode linears, one Zen 4 thread, cold: 1 stream 17
+// GB/s, 4 streams 20, 8 streams slower).
+constexpr int kStreams = 4;
+constexpr int kRowsOfX = 4;  // rows of x sharing each unpacked block of a tile (several rows)
+
+// One row of x quantized: xq [K] (int4 reads it), xu = xq + 128 [K] (int8 reads it), its block
+// scales xs [B] and block sums xsum [B] (int4).
+struct XRow {
+  const int8_t* xq;
+  const uint8_t* xu;
+  const float* xs;
+  const int32_t* xsum;
+};
+
+// Where sums go: out [M, N] as fp32, or as bf16 (its bits, rounded to nearest even as torch casts).
+struct Out {
+  float* fp32;
+  uint16_t* bf16;  // used where fp32 is null
+  int64_t N;
+
+  // Row m's 16 outputs from column n.
+  void store(__m512 sums, int64_t m, int64_t n) const {
+    if (fp32 != nullptr) {
+      _mm512_storeu_ps(fp32 + m * N + n, sums);
+      return;
+    }
+    alignas(64) float row[kTileRows];
+    _mm512_store_ps(row, sums);
+    vllm_cpu_bits::narrow_row(bf16 + m * N + n, row, kTileRows);
+  }
+};
+
+// A tile's weights and scales (and mins) as laid out above; pitch: scale elements between blocks.
+template <typename S>
+struct Tile {
+  const uint8_t* q;
+  const S* scales;
+  const S* mins;  // Q4_1's, or null
+  int64_t pitch;
+};
+
+inline __m512 widen_scales(const float* s) { return _mm512_loadu_ps(s); }
+inline __m512 widen_scales(const uint16_t* s) {
+  return vllm_cpu_bits::widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+inline __m512 widen_scales(const c10::Half* s) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+
+// int4 (the header's formula); S: the scales' type, kMins: Q4_1's mins beside them.
+template <bool kMins, typename S>
+struct Int4 {
+  using Scale = S;
+  static constexpr bool kInt8 = false;  // reads xq and xsum
+  static constexpr int64_t kBlockBytes = 256;
+  struct Block {
+    __m512i v[8];  // v[c] the low nibbles, v[4 + c] the high ones in place (16 times their value)
+    __m512 d, m;
+  };
+
+  static void load(const Tile<S>& tile, int64_t b, Block& k) {
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+    const uint8_t* block = tile.q + b * kBlockBytes;
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(block + 64 * c);
+      k.v[c] = _mm512_and_si512(raw, low);
+      k.v[4 + c] = _mm512_and_si512(raw, high);
+    }
+    k.d = widen_scales(tile.scales + b * tile.pitch);
+    k.m = kMins ? widen_scales(tile.mins + b * tile.pitch) : _mm512_setzero_ps();
+  }
+
+  static __m512 step(__m512 acc, const Block& k, const XRow& x, int64_t b) {
+    const int32_t* xb = reinterpret_cast<const int32_t*>(x.xq + 32 * b);
+    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      lo = _mm512_dpbusd_epi32(lo, k.v[c], _mm512_set1_epi32(xb[c]));
+      hi = _mm512_dpbusd_epi32(hi, k.v[4 + c], _mm512_set1_epi32(xb[4 + c]));
+    }
+    const __m512i u = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));  // U, exact
+    if constexpr (kMins) {
+      const __m512 t =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), k.d, _mm512_mul_ps(k.m, _mm512_set1_ps(float(x.xsum[b]))));
+      return _mm512_fmadd_ps(t, _mm512_set1_ps(x.xs[b]), acc);
+    } else {
+      const __m512i q = _mm512_sub_epi32(u, _mm512_set1_epi32(8 * x.xsum[b]));
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(k.d, _mm512_set1_ps(x.xs[b])), acc);
+    }
+  }
+
+  static __m512 finish(__m512 acc, const Tile<S>&) { return acc; }
+};
+
+// int8 (the header's formula); kPerBlock: a scale per block of 32 (S fp16 or fp32), else one fp32
+// scale per output channel.
+template <bool kPerBlock, typename S>
+struct Int8 {
+  using Scale = S;
+  static constexpr bool kInt8 = true;  // reads xu
+  static constexpr int64_t kBlockBytes = 512;
+  struct Block {
+    __m512i w[8];
+    __m512i bias;  // 128 times the block's weight sums, what x + 128 adds
+    __m512 d;
+  };
+
+  static void load(const Tile<S>& tile, int64_t b, Block& k) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    const uint8_t* block = tile.q + b * kBlockBytes;
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+      k.w[c] = _mm512_loadu_si512(block + 64 * c);
+      k.w[c + 1] = _mm512_loadu_si512(block + 64 * (c + 1));
+      even = _mm512_dpbusd_epi32(even, ones, k.w[c]);
+      odd = _mm512_dpbusd_epi32(odd, ones, k.w[c + 1]);
+    }
+    k.bias = _mm512_slli_epi32(_mm512_add_epi32(even, odd), 7);
+    k.d = kPerBlock ? widen_scales(tile.scales + b * tile.pitch) : _mm512_setzero_ps();
+  }
+
+  static __m512 step(__m512 acc, const Block& k, const XRow& x, int64_t b) {
+    const int32_t* xb = reinterpret_cast<const int32_t*>(x.xu + 32 * b);
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+      even = _mm512_dpbusd_epi32(even, _mm512_set1_epi32(xb[c]), k.w[c]);
+      odd = _mm512_dpbusd_epi32(odd, _mm512_set1_epi32(xb[c + 1]), k.w[c + 1]);
+    }
+    const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(even, odd), k.bias));  // I, exact
+    const __m512 xs = _mm512_set1_ps(x.xs[b]);
+    return _mm512_fmadd_ps(sums, kPerBlock ? _mm512_mul_ps(k.d, xs) : xs, acc);
+  }
+
+  static __m512 finish(__m512 acc, const Tile<S>& tile) {
+    return kPerBlock ? acc : _mm512_mul_ps(acc, widen_scales(tile.scales));
+  }
+};
+
+// kS tiles against row m of x, block by block, each tile its own stream: their 16 outputs each from
+// column cols[i].
+template <int kS, typename F>
+inline void tiles_one_row(const Tile<typename F::Scale>* tiles, int64_t B, const XRow& x, const Out& out, int64_t m,
+                          const int64_t* cols) {
+  __m512 acc[kS];
+  for (int i = 0; i < kS; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b)
+    for (int i = 0; i < kS; ++i) {
+      typename F::Block k;
+      F::load(tiles[i], b, k);
+      acc[i] = F::step(acc[i], k, x, b);
+    }
+  for (int i = 0; i < kS; ++i) out.store(F::finish(acc[i], tiles[i]), m, cols[i]);
+}
+
+// One tile against rows m .. m + kX - 1 of x, each block unpacked once for all of them: their 16
+// outputs from column n.
+template <int kX, typename F>
+inline void tile_rows_of_x(const Tile<typename F::Scale>& tile, int64_t B, const XRow* x, const Out& out, int64_t m,
+                           int64_t n) {
+  __m512 acc[kX];
+  for (int j = 0; j < kX; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    typename F::Block k;
+    F::load(tile, b, k);
+    for (int j = 0; j < kX; ++j) acc[j] = F::step(acc[j], k, x[j], b);
+  }
+  for (int j = 0; j < kX; ++j) out.store(F::finish(acc[j], tile), m + j, n);
+}
+
+// out [M, N] = the sums of rows of x [m0, m1) (x[m]: row m) against tiles [t0, t1) of a weight in
+// format F (tile t's weights at q + t * B * F::kBlockBytes, its scales and mins at t * tile_pitch).
+template <typename F>
+void tiles_range(const uint8_t* q, const typename F::Scale* scales, const typename F::Scale* mins,
+                 int64_t tile_pitch, int64_t block_pitch, int64_t B, const XRow* x, int64_t m0, int64_t m1,
+                 const Out& out, int64_t t0, int64_t t1) {
+  using S = typename F::Scale;
+  const auto tile = [&](int64_t t) {
+    return Tile<S>{q + t * B * F::kBlockBytes, scales + t * tile_pitch, mins == nullptr ? nullptr : mins + t * tile_pitch,
+                   block_pitch};
+  };
+  if (m1 - m0 == 1) {
+    const int64_t part = (t1 - t0) / kStreams;
+    Tile<S> tiles[kStreams];
+    int64_t cols[kStreams];
+    for (int64_t j = 0; j < part; ++j) {
+      for (int i = 0; i < kStreams; ++i) {
+        const int64_t t = t0 + i * part + j;
+        tiles[i] = tile(t), cols[i] = kTileRows * t;
+      }
+      tiles_one_row<kStreams, F>(tiles, B, x[m0], out, m0, cols);
+    }
+    for (int64_t t = t0 + kStreams * part; t < t1; ++t) {
+      tiles[0] = tile(t), cols[0] = kTileRows * t;
+      tiles_one_row<1, F>(tiles, B, x[m0], out, m0, cols);
+    }
+    return;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const Tile<S> w = tile(t);
+    int64_t m = m0;
+    for (; m + kRowsOfX <= m1; m += kRowsOfX) tile_rows_of_x<kRowsOfX, F>(w, B, x + m, out, m, kTileRows * t);
+    for (; m < m1; ++m) tile_rows_of_x<1, F>(w, B, x + m, out, m, kTileRows * t);
+  }
+}
+
+}  // namespace vllm_quant_tiles

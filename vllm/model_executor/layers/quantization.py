@@ -197,6 +197,7 @@ def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
     return QuantizedWeight(first.method, cat([w.qweight for w in weights]), scales, first.group, first.in_features,
                            offsets, cat([w.superblocks for w in weights]))
 
+
 def tile_rows() -> int:
     """Rows per tile of the native kernel's row tiles (vllm/csrc/cpu/quant_tiles.h), or 0 where it has
     none (no AVX512-VNNI, no native kernel)."""

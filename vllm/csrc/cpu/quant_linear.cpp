@@ -1172,7 +1172,7 @@ int64_t tile_x_chunk(int64_t K) { return std::max<int64_t>(vllm_quant_tiles::kRo
 // the tasks split the tiles.
 template <typename F>
 void tiled_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                  const at::Tensor* mins) {
+                  const at::Tensor* mins, const at::Tensor* supers = nullptr) {
   using S = typename F::Scale;
   using vllm_quant_tiles::kTileRows;
   constexpr bool kInt8 = F::kInt8;
@@ -1201,14 +1201,16 @@ void tiled_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const bool bf16_out = out.scalar_type() == at::kBFloat16;
   const vllm_quant_tiles::Out to{bf16_out ? nullptr : out.data_ptr<float>(),
                                  bf16_out ? static_cast<uint16_t*>(out.data_ptr()) : nullptr, N};
-  const auto* qp = static_cast<const uint8_t*>(qweight.data_ptr());
-  const S* sp = reinterpret_cast<const S*>(scales.data_ptr());
-  const S* mp = mins == nullptr ? nullptr : reinterpret_cast<const S*>(mins->data_ptr());
+  const vllm_quant_tiles::Tiles<S> tiles{static_cast<const uint8_t*>(qweight.data_ptr()),
+                                         reinterpret_cast<const S*>(scales.data_ptr()),
+                                         mins == nullptr ? nullptr : reinterpret_cast<const S*>(mins->data_ptr()),
+                                         scales.stride(0), scales.stride(1),
+                                         supers == nullptr ? nullptr : supers->data_ptr<float>(),
+                                         supers == nullptr ? 0 : supers->stride(0)};
   const int64_t chunk = M == 1 ? 1 : tile_x_chunk(K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += chunk)
-      vllm_quant_tiles::tiles_range<F>(qp, sp, mp, scales.stride(0), scales.stride(1), B, rows.data(), m0,
-                                       std::min(M, m0 + chunk), to, t0, t1);
+      vllm_quant_tiles::tiles_range<F>(tiles, B, rows.data(), m0, std::min(M, m0 + chunk), to, t0, t1);
   });
   work.trim();
 }
@@ -1233,12 +1235,34 @@ bool tiled_scales(const at::Tensor& t, const at::Tensor& qweight, int64_t groups
   return t.dim() == 3 && t.size(0) == qweight.size(0) && t.size(1) == groups && t.size(2) == 16 && t.stride(2) == 1;
 }
 
+// GGUF Q4_K in row tiles: sc and m uint8 [T, B, 16] (each block's beside each other, as Q4_1's scales
+// and mins), superblocks fp32 [T, B / 8, 2, 16] (d, then dmin, of the 16 rows); checked, then
+// tiled_linear.
+void tiled_q4_k(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sc,
+                const std::optional<at::Tensor>& m, const at::Tensor& supers) {
+  const int64_t T = qweight.size(0), B = qweight.size(1);
+  TORCH_CHECK(B % 8 == 0 && sc.scalar_type() == at::kByte && tiled_scales(sc, qweight, B) && m &&
+                  m->scalar_type() == at::kByte && tiled_scales(*m, qweight, B) && m->strides() == sc.strides(),
+              "tiled Q4_K sc and m must be uint8 [N / 16, K / 32, 16] strided alike, K a multiple of 256");
+  TORCH_CHECK(supers.scalar_type() == at::kFloat && supers.is_contiguous() && supers.dim() == 4 &&
+                  supers.size(0) == T && supers.size(1) == B / 8 && supers.size(2) == 2 && supers.size(3) == 16,
+              "tiled Q4_K superblocks must be contiguous fp32 [N / 16, K / 256, 2, 16]");
+#ifdef VLLM_QUANT_OCTS
+  tiled_linear<vllm_quant_tiles::Int4K>(out, x, qweight, sc, &*m, &supers);
+#endif
+}
+
 // int4 weights in row tiles (quantization.py's `tile`): qweight [T, B, 256], scales [T, B, 16]
-// bf16 or fp16, Q4_1's fp16 mins as the scales' neighbours; checked, then tiled_linear.
+// bf16 or fp16, Q4_1's fp16 mins as the scales' neighbours, or Q4_K's two-level form (tiled_q4_k);
+// checked, then tiled_linear.
 void tiled_int4(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                int64_t group, const std::optional<at::Tensor>& mins) {
+                int64_t group, const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& supers) {
   check_tiled(out, x, qweight, 256);
   TORCH_CHECK(group == kBlock, "tiled int4 weights come in groups of 32, got ", group);
+  if (supers) {
+    tiled_q4_k(out, x, qweight, scales, mins, *supers);
+    return;
+  }
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(tiled_scales(scales, qweight, qweight.size(1)) && (half || scales.scalar_type() == at::kBFloat16),
               "tiled int4 scales must be bf16 or fp16 [N / 16, K / 32, 16], each 16 contiguous");
@@ -1329,8 +1353,7 @@ void quant_linear_int4(const at::Tensor& out, const at::Tensor& x, const at::Ten
                        const std::optional<at::Tensor>& superblocks) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "int4 qweight must be uint8 (two values per byte)");
   if (qweight.dim() == 3) {
-    TORCH_CHECK(!superblocks, "K-quants stay in the row layout");
-    tiled_int4(out, x, qweight, scales, group, offsets);
+    tiled_int4(out, x, qweight, scales, group, offsets, superblocks);
     return;
   }
   TORCH_CHECK(group % kBlock == 0, "int4 group (", group, ") must be a multiple of 32");

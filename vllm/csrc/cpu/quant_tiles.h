@@ -7,10 +7,10 @@
  * int4 block of 16 rows costs 4 loads and 8 masks, shared by every row of x, then per row of x 8
  * vpdpbusd and ~6 scaling operations; an int8 block 8 loads and 8 vpdpbusd for its weight sums,
  * shared, then per row of x 8 vpdpbusd and ~4 more. One Zen 4 thread: SmolLM2's int4 decode
- * linears from cache 0.42x the row layout's time, from memory 0.85-0.94x (bound by the read
- * rate), 4-32 rows of x 0.40-0.42x; a 512-token int4 prompt in the engine 0.44x. Included by
- * quant_linear.cpp where the compiler targets AVX512-VNNI (VLLM_QUANT_OCTS); quantization.py
- * lays weights out this way only where the kernel has it (`tile_rows`).
+ * linears from cache 0.42x the row layout's time, 4-32 rows of x 0.40-0.42x; Q4_K from memory
+ * 0.69x at one row of x; in the engine a 512-token SmolLM2 int4 prompt 0.39x, a decode 0.88x.
+ * Included by quant_linear.cpp where the compiler targets AVX512-VNNI (VLLM_QUANT_OCTS);
+ * quantization.py lays weights out this way only where the kernel has it (`tile_rows`).
  *
  * Layouts (quantization.py's `tile`): a weight of N = 16 T rows and K = 32 B features,
  *   int4 qweight uint8 [T, B, 256]: tile t, block b is 4 chunks of 64 bytes; byte 4 r + j of chunk
@@ -18,6 +18,8 @@
  *     32 b + 16 + 4 c + j in its high nibble (the same two elements a row-layout byte pairs);
  *     scales [T, B, 16] (bf16 bits: int4 at load, or fp16: GGUF Q4_0's d, Q4_1's d) and, for
  *     Q4_1, fp16 mins m beside them (views of one [T, B, 2, 16] tensor: one memory stream).
+ *   GGUF Q4_K: qweight as int4's; sc and m uint8 [T, B, 16] beside each other (views of one
+ *     [T, B, 2, 16] tensor) and superblocks fp32 [T, B / 8, 2, 16] (d, dmin of the 16 rows).
  *   int8 qweight int8 [T, B, 512]: block b is 8 chunks of 64 bytes; byte 4 r + j of chunk c holds
  *     row 16 t + r's element 32 b + 4 c + j; scales per output channel fp32 [T, 1, 16] (group K,
  *     `--quantization int8`) or per block [T, B, 16] (group 32: GGUF Q8_0's fp16 d).
@@ -27,6 +29,8 @@
  *         X = sum_j xq[j];
  *         symmetric: acc[n] += float(U - 8 X) * (d[n] * xs[b])
  *         Q4_1:      acc[n] += (float(U) * d[n] + m[n] * float(X)) * xs[b]     (w = d u + m)
+ *         Q4_K:      acc[n] += (float(U) * (d sc)[n] - (dmin m)[n] * float(X)) * xs[b], d sc and
+ *                    dmin m exact in fp32 (fp16 d, dmin times 6-bit sc, m)
  *   int8: I = sum_j w[n, j] xq[j], formed as sum_j w (xq + 128) - 128 sum_j w (exact in int32)
  *         per block: acc[n] += float(I) * (d[n] * xs[b]); per channel: acc[n] += float(I) * xs[b],
  *         then out[n] = acc[n] * s[n]
@@ -48,10 +52,12 @@
 namespace vllm_quant_tiles {
 
 constexpr int64_t kTileRows = 16;     // weight rows a tile interleaves
-// Tiles one row of x reads side by side, each its own stream: the hardware prefetchers keep
-// more lines in flight (SmolLM2's 120 int4 decode linears, one Zen 4 thread, cold: 1 stream 17
-// GB/s, 4 streams 20, 8 streams slower).
-constexpr int kStreams = 4;
+// Tiles one row of x reads side by side (each format's kStreams), each its own stream or streams
+// (weights, scales): the hardware prefetchers keep more lines in flight. One Zen 4 thread, weights
+// from memory, 9 alternating rounds, time against 4 tiles: int4 2 tiles 0.73-0.88x (symmetric,
+// Q4_1, Q4_K: 0.65x; SmolLM2's and Granite-3.3-2B's shapes; two threads 0.75-0.86x), 1 tile
+// 0.66-0.96x; int8 2 tiles 0.94-1.07x, 1 tile 1.00-1.22x.
+constexpr int kStreamsInt4 = 2, kStreamsInt8 = 4;
 constexpr int kRowsOfX = 4;  // rows of x sharing each unpacked block of a tile (several rows)
 
 // One row of x quantized: xq [K] (int4 reads it), xu = xq + 128 [K] (int8 reads it), its block
@@ -86,8 +92,21 @@ template <typename S>
 struct Tile {
   const uint8_t* q;
   const S* scales;
-  const S* mins;  // Q4_1's, or null
+  const S* mins;        // Q4_1's (or Q4_K's m), or null
   int64_t pitch;
+  const float* supers;  // Q4_K's d and dmin per superblock [B / 8, 2, 16], or null
+};
+
+// Where a weight's tiles lie: tile t's weights at q + t * B * block_bytes, its scales and mins at
+// t * tile_pitch (block_pitch apart per block), its superblocks at supers + t * supers_pitch.
+template <typename S>
+struct Tiles {
+  const uint8_t* q;
+  const S* scales;
+  const S* mins;
+  int64_t tile_pitch, block_pitch;
+  const float* supers;
+  int64_t supers_pitch;
 };
 
 inline __m512 widen_scales(const float* s) { return _mm512_loadu_ps(s); }
@@ -98,37 +117,47 @@ inline __m512 widen_scales(const c10::Half* s) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
 }
 
+// A block's 4 chunks as v[c] the low nibbles, v[4 + c] the high ones in place.
+inline void unpack_nibbles(const uint8_t* block, __m512i* v) {
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  for (int c = 0; c < 4; ++c) {
+    const __m512i raw = _mm512_loadu_si512(block + 64 * c);
+    v[c] = _mm512_and_si512(raw, low);
+    v[4 + c] = _mm512_and_si512(raw, high);
+  }
+}
+
+// U of the 16 rows (exact): vpdpbusd sums the high nibbles unscaled and one shift takes the 16 off.
+inline __m512i nibble_sums(const __m512i* v, const XRow& x, int64_t b) {
+  const int32_t* xb = reinterpret_cast<const int32_t*>(x.xq + 32 * b);
+  __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {
+    lo = _mm512_dpbusd_epi32(lo, v[c], _mm512_set1_epi32(xb[c]));
+    hi = _mm512_dpbusd_epi32(hi, v[4 + c], _mm512_set1_epi32(xb[4 + c]));
+  }
+  return _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
+}
+
 // int4 (the header's formula); S: the scales' type, kMins: Q4_1's mins beside them.
 template <bool kMins, typename S>
 struct Int4 {
   using Scale = S;
+  static constexpr int kStreams = kStreamsInt4;
   static constexpr bool kInt8 = false;  // reads xq and xsum
   static constexpr int64_t kBlockBytes = 256;
   struct Block {
-    __m512i v[8];  // v[c] the low nibbles, v[4 + c] the high ones in place (16 times their value)
+    __m512i v[8];  // unpack_nibbles'
     __m512 d, m;
   };
 
   static void load(const Tile<S>& tile, int64_t b, Block& k) {
-    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
-    const uint8_t* block = tile.q + b * kBlockBytes;
-    for (int c = 0; c < 4; ++c) {
-      const __m512i raw = _mm512_loadu_si512(block + 64 * c);
-      k.v[c] = _mm512_and_si512(raw, low);
-      k.v[4 + c] = _mm512_and_si512(raw, high);
-    }
+    unpack_nibbles(tile.q + b * kBlockBytes, k.v);
     k.d = widen_scales(tile.scales + b * tile.pitch);
     k.m = kMins ? widen_scales(tile.mins + b * tile.pitch) : _mm512_setzero_ps();
   }
 
   static __m512 step(__m512 acc, const Block& k, const XRow& x, int64_t b) {
-    const int32_t* xb = reinterpret_cast<const int32_t*>(x.xq + 32 * b);
-    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) {
-      lo = _mm512_dpbusd_epi32(lo, k.v[c], _mm512_set1_epi32(xb[c]));
-      hi = _mm512_dpbusd_epi32(hi, k.v[4 + c], _mm512_set1_epi32(xb[4 + c]));
-    }
-    const __m512i u = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));  // U, exact
+    const __m512i u = nibble_sums(k.v, x, b);
     if constexpr (kMins) {
       const __m512 t =
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), k.d, _mm512_mul_ps(k.m, _mm512_set1_ps(float(x.xsum[b]))));
@@ -142,11 +171,44 @@ struct Int4 {
   static __m512 finish(__m512 acc, const Tile<S>&) { return acc; }
 };
 
+// GGUF Q4_K in its two-level form (the header's formula): the block's scale d sc and offset dmin m
+// formed from the superblock's d and dmin and the block's 6-bit sc and m (bytes), each exact in fp32.
+struct Int4K {
+  using Scale = uint8_t;
+  static constexpr int kStreams = kStreamsInt4;
+  static constexpr bool kInt8 = false;  // reads xq and xsum
+  static constexpr int64_t kBlockBytes = 256;
+  struct Block {
+    __m512i v[8];
+    __m512 d, m;  // d sc and dmin m of the 16 rows
+  };
+
+  static __m512 widen_bytes(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+
+  static void load(const Tile<uint8_t>& tile, int64_t b, Block& k) {
+    unpack_nibbles(tile.q + b * kBlockBytes, k.v);
+    const float* super = tile.supers + (b / 8) * 2 * kTileRows;
+    k.d = _mm512_mul_ps(_mm512_loadu_ps(super), widen_bytes(tile.scales + b * tile.pitch));
+    k.m = _mm512_mul_ps(_mm512_loadu_ps(super + kTileRows), widen_bytes(tile.mins + b * tile.pitch));
+  }
+
+  static __m512 step(__m512 acc, const Block& k, const XRow& x, int64_t b) {
+    const __m512i u = nibble_sums(k.v, x, b);
+    const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(u), k.d, _mm512_mul_ps(k.m, _mm512_set1_ps(float(x.xsum[b]))));
+    return _mm512_fmadd_ps(t, _mm512_set1_ps(x.xs[b]), acc);
+  }
+
+  static __m512 finish(__m512 acc, const Tile<uint8_t>&) { return acc; }
+};
+
 // int8 (the header's formula); kPerBlock: a scale per block of 32 (S fp16 or fp32), else one fp32
 // scale per output channel.
 template <bool kPerBlock, typename S>
 struct Int8 {
   using Scale = S;
+  static constexpr int kStreams = kStreamsInt8;
   static constexpr bool kInt8 = true;  // reads xu
   static constexpr int64_t kBlockBytes = 512;
   struct Block {
@@ -218,17 +280,18 @@ inline void tile_rows_of_x(const Tile<typename F::Scale>& tile, int64_t B, const
 }
 
 // out [M, N] = the sums of rows of x [m0, m1) (x[m]: row m) against tiles [t0, t1) of a weight in
-// format F (tile t's weights at q + t * B * F::kBlockBytes, its scales and mins at t * tile_pitch).
+// format F.
 template <typename F>
-void tiles_range(const uint8_t* q, const typename F::Scale* scales, const typename F::Scale* mins,
-                 int64_t tile_pitch, int64_t block_pitch, int64_t B, const XRow* x, int64_t m0, int64_t m1,
-                 const Out& out, int64_t t0, int64_t t1) {
+void tiles_range(const Tiles<typename F::Scale>& w, int64_t B, const XRow* x, int64_t m0, int64_t m1, const Out& out,
+                 int64_t t0, int64_t t1) {
   using S = typename F::Scale;
   const auto tile = [&](int64_t t) {
-    return Tile<S>{q + t * B * F::kBlockBytes, scales + t * tile_pitch, mins == nullptr ? nullptr : mins + t * tile_pitch,
-                   block_pitch};
+    return Tile<S>{w.q + t * B * F::kBlockBytes, w.scales + t * w.tile_pitch,
+                   w.mins == nullptr ? nullptr : w.mins + t * w.tile_pitch, w.block_pitch,
+                   w.supers == nullptr ? nullptr : w.supers + t * w.supers_pitch};
   };
   if (m1 - m0 == 1) {
+    constexpr int kStreams = F::kStreams;
     const int64_t part = (t1 - t0) / kStreams;
     Tile<S> tiles[kStreams];
     int64_t cols[kStreams];
@@ -246,10 +309,10 @@ void tiles_range(const uint8_t* q, const typename F::Scale* scales, const typena
     return;
   }
   for (int64_t t = t0; t < t1; ++t) {
-    const Tile<S> w = tile(t);
+    const Tile<S> one = tile(t);
     int64_t m = m0;
-    for (; m + kRowsOfX <= m1; m += kRowsOfX) tile_rows_of_x<kRowsOfX, F>(w, B, x + m, out, m, kTileRows * t);
-    for (; m < m1; ++m) tile_rows_of_x<1, F>(w, B, x + m, out, m, kTileRows * t);
+    for (; m + kRowsOfX <= m1; m += kRowsOfX) tile_rows_of_x<kRowsOfX, F>(one, B, x + m, out, m, kTileRows * t);
+    for (; m < m1; ++m) tile_rows_of_x<1, F>(one, B, x + m, out, m, kTileRows * t);
   }
 }
 

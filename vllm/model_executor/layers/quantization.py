@@ -44,8 +44,8 @@ Invariants:
     over; x' comes from the extension's one-pass `round_activations`, bitwise equal to
     `round_activations` here. Without the native kernel every call takes the tiled torch path.
   - Where the native kernel has them (AVX512-VNNI), a layer's weight with a multiple of 16 rows is
-    held in row tiles (`tile`; which formats in `_tileable`: int4 and int8 at load, GGUF Q4_0, Q4_1 and
-    Q8_0; layouts and semantics in vllm/csrc/cpu/quant_tiles.h): the same bytes, moved so one
+    held in row tiles (`tile`; which formats in `_tileable`: int4 and int8 at load, GGUF Q4_0, Q4_1,
+    Q4_K and Q8_0; layouts and semantics in vllm/csrc/cpu/quant_tiles.h): the same bytes, moved so one
     instruction serves 16 rows. Everything else reads it through `untile` (its exact inverse):
     slicing, dequantizing.
   - Only the base weights are quantized: LoRA slots and the embedding's lookup table stay in the
@@ -155,7 +155,7 @@ class QuantizedWeight:
             first, last = start // ROW_TILE, -(-stop // ROW_TILE)
             pick = lambda t: None if t is None else t[first:last]  # noqa: E731
             tiles = QuantizedWeight(self.method, self.qweight[first:last], self.scales[first:last], self.group,
-                                    self.in_features, pick(self.offsets), tiled=True)
+                                    self.in_features, pick(self.offsets), pick(self.superblocks), tiled=True)
             return untile(tiles).dequantize(slice(start - first * ROW_TILE, stop - first * ROW_TILE))
         part = self.rows(rows)
         q = part.qweight
@@ -207,13 +207,15 @@ def tile_rows() -> int:
 
 
 def _tileable(weight: QuantizedWeight) -> bool:
-    """Whether the kernel's row tiles hold `weight` (quant_tiles.h): a multiple of 16 rows, no K-quant
-    superblocks; int4 in groups of 32 with bf16 or fp16 scales (at load, GGUF Q4_0), or fp16 scales and
-    Q4_1's fp16 mins; int8 per output channel with fp32 scales (at load) or in groups of 32 with fp32
-    or fp16 scales (GGUF Q8_0), K a multiple of 32."""
-    if weight.tiled or weight.superblocks is not None or weight.out_features % ROW_TILE:
+    """Whether the kernel's row tiles hold `weight` (quant_tiles.h): a multiple of 16 rows; int4 in groups
+    of 32 with bf16 or fp16 scales (at load, GGUF Q4_0), fp16 scales and Q4_1's fp16 mins, or GGUF Q4_K's
+    two-level form; int8 per output channel with fp32 scales (at load) or in groups of 32 with fp32 or
+    fp16 scales (GGUF Q8_0), K a multiple of 32 (not Q6_K's groups of 16)."""
+    if weight.tiled or weight.out_features % ROW_TILE:
         return False
     scales, mins = weight.scales.dtype, weight.offsets
+    if weight.superblocks is not None:
+        return weight.method == "int4"  # Q4_K
     if weight.method == "int4":
         return weight.group == INT4_GROUP and scales in (torch.bfloat16, torch.float16) and (
             mins is None or (mins.dtype == torch.float16 and scales == torch.float16))
@@ -237,8 +239,10 @@ def tile(weight: QuantizedWeight) -> QuantizedWeight:
         return QuantizedWeight(weight.method, qweight.contiguous(), per_tile(weight.scales).contiguous(), weight.group,
                                weight.in_features, tiled=True)
     both = torch.stack([per_tile(weight.scales), per_tile(weight.offsets)], dim=2)  # [T, B, 2, 16]: one stream
+    # Q4_K's d and dmin per superblock: [T, K / 256, 2, 16]
+    supers = None if weight.superblocks is None else weight.superblocks.view(t, ROW_TILE, g // 8, 2).permute(0, 2, 3, 1)
     return QuantizedWeight("int4", qweight.contiguous(), both[:, :, 0], INT4_GROUP, weight.in_features, both[:, :, 1],
-                           tiled=True)
+                           None if supers is None else supers.contiguous(), tiled=True)
 
 
 def untile(weight: QuantizedWeight) -> QuantizedWeight:
@@ -248,6 +252,10 @@ def untile(weight: QuantizedWeight) -> QuantizedWeight:
     qweight = weight.qweight.view(t, b, chunks, ROW_TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, b * 4 * chunks)
     per_row = lambda s: s.permute(0, 2, 1).reshape(n, g)  # noqa: E731
     scales, mins = per_row(weight.scales), None if weight.offsets is None else per_row(weight.offsets)
+    if weight.superblocks is not None:
+        supers = weight.superblocks.permute(0, 3, 1, 2).reshape(n, g // 8, 2)
+        return QuantizedWeight("int4", qweight.contiguous(), scales.contiguous(), weight.group, weight.in_features,
+                               mins.contiguous(), supers.contiguous())
     if mins is not None:
         scales, mins = q4_1_scales_and_mins(scales, mins)
     return QuantizedWeight(weight.method, qweight.contiguous(), scales.contiguous(), weight.group, weight.in_features,

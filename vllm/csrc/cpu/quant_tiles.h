@@ -138,17 +138,21 @@ inline __m512i nibble_sums(const __m512i* v, const XRow& x, int64_t b) {
   return _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
 }
 
-// int4 (the header's formula); S: the scales' type, kMins: Q4_1's mins beside them.
-template <bool kMins, typename S>
-struct Int4 {
-  using Scale = S;
+// What the int4 formats share: the block layout, what they read of x, how many tiles at once.
+struct Int4Layout {
   static constexpr int kStreams = kStreamsInt4;
   static constexpr bool kInt8 = false;  // reads xq and xsum
   static constexpr int64_t kBlockBytes = 256;
   struct Block {
     __m512i v[8];  // unpack_nibbles'
-    __m512 d, m;
+    __m512 d, m;   // the 16 rows' scales and mins (Q4_K: d sc and dmin m)
   };
+};
+
+// int4 (the header's formula); S: the scales' type, kMins: Q4_1's mins beside them.
+template <bool kMins, typename S>
+struct Int4 : Int4Layout {
+  using Scale = S;
 
   static void load(const Tile<S>& tile, int64_t b, Block& k) {
     unpack_nibbles(tile.q + b * kBlockBytes, k.v);
@@ -173,15 +177,8 @@ struct Int4 {
 
 // GGUF Q4_K in its two-level form (the header's formula): the block's scale d sc and offset dmin m
 // formed from the superblock's d and dmin and the block's 6-bit sc and m (bytes), each exact in fp32.
-struct Int4K {
+struct Int4K : Int4Layout {
   using Scale = uint8_t;
-  static constexpr int kStreams = kStreamsInt4;
-  static constexpr bool kInt8 = false;  // reads xq and xsum
-  static constexpr int64_t kBlockBytes = 256;
-  struct Block {
-    __m512i v[8];
-    __m512 d, m;  // d sc and dmin m of the 16 rows
-  };
 
   static __m512 widen_bytes(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

@@ -841,7 +841,6 @@ void group_sums(const int8_t* xq, const float* xs, int64_t M, int64_t K, int64_t
     }
 }
 
-// byte_scales: a K-quant's sub-scales, which must be of that byte type, instead of fp32, bf16 or fp16 ones.
 // Rows a tile of quant_tiles.h interleaves where this build has them (AVX512-VNNI), else 0:
 // quantization.py lays weights out in tiles only where the kernel reads them.
 int64_t tile_rows() {
@@ -852,6 +851,7 @@ int64_t tile_rows() {
 #endif
 }
 
+// byte_scales: a K-quant's sub-scales, which must be of that byte type, instead of fp32, bf16 or fp16 ones.
 void check_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   int64_t group, int64_t k_per_row_byte, std::optional<at::ScalarType> byte_scales = std::nullopt) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),

@@ -170,12 +170,12 @@ class QuantizedWeight:
 
 
 def q4_1_scales_and_mins(scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 [N, G] scales and mins -> the same values as views of one [N, 2, G] tensor, each row's
-    scales beside its mins: one memory stream for the kernel, where two separate arrays made a
-    Q4_1 decode's linears 1.2x the time of symmetric int4's for 1.11x the bytes (SmolLM2's shapes,
-    one Zen 4 thread, cold); side by side 1.0-1.1x."""
-    both = torch.stack([scales, mins], dim=1)  # [N, 2, G]
-    return both[:, 0], both[:, 1]
+    """Scales and mins [..., R, C] (rows [N, G]; row tiles [T, G, 16]) -> the same values as views of
+    one [..., R, 2, C] tensor, each row's (or block's) scales beside its mins: one memory stream for
+    the kernel, where two separate arrays made a Q4_1 decode's linears 1.2x the time of symmetric
+    int4's for 1.11x the bytes (SmolLM2's shapes, one Zen 4 thread, cold); side by side 1.0-1.1x."""
+    both = torch.stack([scales, mins], dim=-2)  # [..., R, 2, C]
+    return both[..., 0, :], both[..., 1, :]
 
 
 def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
@@ -238,10 +238,10 @@ def tile(weight: QuantizedWeight) -> QuantizedWeight:
     if weight.offsets is None:
         return QuantizedWeight(weight.method, qweight.contiguous(), per_tile(weight.scales).contiguous(), weight.group,
                                weight.in_features, tiled=True)
-    both = torch.stack([per_tile(weight.scales), per_tile(weight.offsets)], dim=2)  # [T, B, 2, 16]: one stream
+    scales, mins = q4_1_scales_and_mins(per_tile(weight.scales), per_tile(weight.offsets))  # [T, B, 2, 16]
     # Q4_K's d and dmin per superblock: [T, K / 256, 2, 16]
     supers = None if weight.superblocks is None else weight.superblocks.view(t, ROW_TILE, g // 8, 2).permute(0, 2, 3, 1)
-    return QuantizedWeight("int4", qweight.contiguous(), both[:, :, 0], INT4_GROUP, weight.in_features, both[:, :, 1],
+    return QuantizedWeight("int4", qweight.contiguous(), scales, INT4_GROUP, weight.in_features, mins,
                            None if supers is None else supers.contiguous(), tiled=True)
 
 

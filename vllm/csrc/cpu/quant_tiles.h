@@ -2,7 +2,7 @@
  * Quantized weights in row tiles: 16 output rows interleaved in the lanes of one vector, so one
  * vpdpbusd multiplies 4 features of all 16 rows by a broadcast of 4 bytes of x, and a block's
  * integer sums come out as one vector of 16 rows, scaled once, with no sums across lanes. The
- * row layout's loops (quant_linear.cpp) sum each row's lanes per block before scaling it (int4's
+ * row layout's loops (quant_rows.h, quant_int4_pairs.h) sum each row's lanes per block before scaling it (int4's
  * paired loop: 9 of its 21 vector operations per 512 multiply-adds on many rows of x). Here an
  * int4 block of 16 rows costs 4 loads and 8 masks, shared by every row of x, then per row of x 8
  * vpdpbusd and ~6 scaling operations; an int8 block 8 loads and 8 vpdpbusd for its weight sums,

@@ -236,22 +236,34 @@ def test_auto_dtype_takes_a_16_bit_file_as_a_16_bit_checkpoint(qtype, stored, hf
 
 
 
+def test_gguf_layer_takes_the_fewest_rows_of_its_slices(gguf_files, tokenizer, monkeypatch):
+    """In the row layout (no row tiles) a native layer takes as many rows as the fewest of its slices'
+    formats run natively: Q4_K_M's layer 0 holds Q6_K slices (int8 in groups), layer 1 Q4_K ones; the
+    native layers give the Python layers' tokens and logprobs there too."""
+    monkeypatch.setattr(q, "tile_rows", lambda: 0)
+    llm = LLM(gguf_files["Q4_K_M"], max_model_len=128)
+    linears = [m for layer in native_layers(llm) for m in layer.modules() if isinstance(m, Linear)]
+    assert linears and not any(w.tiled for m in linears for w in m.quantized_weights())
+    native, python = both_paths(llm, tokenizer)  # builds the native layers on the first decode
+    assert native == python
+    assert [layer._native_decode.max_rows for layer in native_layers(llm)[:2]] == [
+        q.NATIVE_MAX_ROWS_INT8_GROUPED, q.NATIVE_MAX_ROWS_INT4]
+
+
 @pytest.mark.parametrize(("kind", "dtype"), [("Q4_K_M", "float32"), ("Q4_K_M", "bfloat16"), ("Q4_0", "float32"),
                                            ("Q4_1", "bfloat16"), ("qwen2-Q4_K_M", "float32"), ("qwen2-Q4_K_M", "bfloat16")])
 def test_gguf_layers_decode_natively_with_the_python_layers_bits(kind, dtype, gguf_files, tokenizer, monkeypatch):
     """Q4_K's offsets in the int4 kernel, q/k/v of mixed formats as slices (with Qwen2's biases
     added after them): the native layers give the Python layers' tokens and logprobs bit for bit
     (both call the same kernels), with batched decode steps (a slice's columns through a buffer)
-    and with one row (written in place). A layer takes as many rows as the fewest of its slices'
-    formats run natively (Q4_K_M's layer 0 holds Q6_K slices)."""
+    and with one row (written in place). In row tiles (AVX512-VNNI) Q4_K and Q6_K run natively at any
+    row count; the row layout's limits are test_gguf_layer_takes_the_fewest_rows_of_its_slices'."""
     calls = count_native_calls(monkeypatch)
     llm = LLM(gguf_files[kind], max_model_len=128, dtype=dtype)
     native, python = both_paths(llm, tokenizer)
     assert 3 in calls and native == python
-    if kind.endswith("Q4_K_M"):
-        q4_k = q.NATIVE_MAX_ROWS_TILES if q.tile_rows() else q.NATIVE_MAX_ROWS_INT4  # Q4_K in row tiles: any
-        assert [layer._native_decode.max_rows for layer in native_layers(llm)[:2]] == [
-            q.NATIVE_MAX_ROWS_INT8_GROUPED, q4_k]
+    if kind.endswith("Q4_K_M") and q.tile_rows():
+        assert [layer._native_decode.max_rows for layer in native_layers(llm)[:2]] == [q.NATIVE_MAX_ROWS_TILES] * 2
     calls.clear()
     one = ["the native layer takes one row"]
     greedy_run(llm, tokenizer, prompts=one)  # fills the prefix cache the two runs below read alike

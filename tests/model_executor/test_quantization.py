@@ -684,8 +684,9 @@ needs_tiles = pytest.mark.skipif(q.native_available() and q.tile_rows() == 0,
 
 def _tile_forms(n: int, k: int, gen: torch.Generator) -> dict[str, q.QuantizedWeight]:
     """Each form `tile` takes: int4 symmetric with bf16 scales (at load), GGUF Q4_0's fp16 scales, GGUF
-    Q4_1's fp16 scales with fp16 mins beside them, GGUF Q4_K's two-level form (where K % 256 == 0); int8
-    per channel (at load) and GGUF Q8_0's (fp16 d per 32, the full int8 range, -128 included)."""
+    Q4_1's fp16 scales with fp16 mins beside them, GGUF Q4_K's two-level form; int8 per channel (at
+    load), GGUF Q8_0's (fp16 d per 32, the full int8 range, -128 included) and Q6_K's two-level form
+    (the K-quants where K % 256 == 0)."""
     sym = q.quantize(torch.randn(n, k, generator=gen), "int4")
     scales, mins = q.q4_1_scales_and_mins(sym.scales.half(), (torch.randn(n, k // 32, generator=gen) / 20).half())
     q8_0 = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -693,13 +694,13 @@ def _tile_forms(n: int, k: int, gen: torch.Generator) -> dict[str, q.QuantizedWe
             "q4_1": q.QuantizedWeight("int4", sym.qweight, scales, 32, k, mins),
             "int8": q.quantize(torch.randn(n, k, generator=gen), "int8"),
             "q8_0": q.QuantizedWeight("int8", q8_0, (torch.rand(n, k // 32, generator=gen) / 100).half(), 32, k),
-            **({"q4_k": _kquant(n, k, gen)} if k % 256 == 0 else {})}
+            **({"q4_k": _kquant(n, k, gen), "q6_k": _q6_k(n, k, gen)} if k % 256 == 0 else {})}
 
 
 @needs_tiles
 @pytest.mark.parametrize("rows", [1, 2, 5, 70, 2100])  # 2100: past the row layout's native limit, still native
-@pytest.mark.parametrize(("form", "k"), [(form, k) for form in ("bf16", "q4_0", "q4_1", "q4_k", "int8", "q8_0")
-                                         for k in (64, 576, 1536) if form != "q4_k" or k % 256 == 0])
+@pytest.mark.parametrize(("form", "k"), [(form, k) for form in ("bf16", "q4_0", "q4_1", "q4_k", "int8", "q8_0", "q6_k")
+                                         for k in (64, 576, 1536) if form not in ("q4_k", "q6_k") or k % 256 == 0])
 def test_row_tiles_equal_reference(form, rows, k):
     """A weight `tile` lays out in row tiles computes reference_linear (fp32 and bf16 x), holds the
     row layout's bytes (`untile` gives them back bit for bit; dequantize reads the tiles), and runs
@@ -727,7 +728,7 @@ def test_row_tiles_give_a_row_the_same_result_in_any_batch_or_thread_count():
     """Four tiles read side by side for one row of x, four rows of x sharing each unpacked block for
     several: a row's output is bitwise the same alone, in any batch, and on 1 or 2 threads."""
     gen = torch.Generator().manual_seed(5)
-    for weight in [*_tile_forms(16 * 37, 576, gen).values(), _kquant(16 * 37, 512, gen)]:
+    for weight in [*_tile_forms(16 * 37, 576, gen).values(), _kquant(16 * 37, 512, gen), _q6_k(16 * 37, 512, gen)]:
         tiled, x = q.tile(weight), torch.randn(11, weight.in_features, generator=gen)
         one, two = on_thread_counts(lambda: q.quantized_linear(x, tiled, None))
         assert torch.equal(one, two)
@@ -741,13 +742,13 @@ def test_row_tiles_give_a_row_the_same_result_in_any_batch_or_thread_count():
 @needs_tiles
 def test_tile_takes_only_what_the_kernel_reads_and_layers_hold_tiles():
     """Weights the tiles cannot hold stay in the row layout: rows not a multiple of 16, int8 in groups
-    other than 32 and K, Q6_K's two-level form, int4 with fp32 scales or offsets; tiled slices stack in
+    other than 32 and K, int4 with fp32 scales or offsets; tiled slices stack in
     the row layout. A quantized Linear holds its weight tiled."""
     gen = torch.Generator().manual_seed(7)
     sym = q.quantize(torch.randn(40, 256, generator=gen), "int4")
     kept = [q.quantize(torch.randn(40, 256, generator=gen), "int4").rows(slice(0, 33)),
             q.quantize(torch.randn(40, 256, generator=gen), "int8").rows(slice(0, 33)),
-            _weight("int8", 48, 256, 64, gen), _weight("int8", 48, 256, 16, gen), _q6_k(48, 256, gen),
+            _weight("int8", 48, 256, 64, gen), _weight("int8", 48, 256, 16, gen),
             q.QuantizedWeight("int4", sym.qweight[:32], sym.scales[:32].float(), 32, 256),
             q.QuantizedWeight("int4", sym.qweight[:32], sym.scales[:32], 32, 256, torch.zeros(32, 8))]
     for weight in kept:
@@ -778,3 +779,9 @@ def test_tiled_kernel_refuses_mismatched_tensors():
         torch.ops.vllm_quant.linear_int4(out, torch.randn(1, 96), weight.qweight, weight.scales, 32, weight.offsets)
     with pytest.raises(RuntimeError, match="tiled int8 scales must be"):
         torch.ops.vllm_quant.linear_int8(out, x, int8.qweight, int8.scales.bfloat16(), 32)
+    q6_k = q.tile(_q6_k(32, 256, torch.Generator().manual_seed(2)))
+    x6, out6 = torch.randn(1, 256), torch.empty(1, 32)
+    with pytest.raises(RuntimeError, match="tiled Q6_K sc must be int8"):
+        torch.ops.vllm_quant.linear_int8(out6, x6, q6_k.qweight, q6_k.scales[:, :-1], 16, q6_k.superblocks)
+    with pytest.raises(RuntimeError, match="tiled Q6_K superblocks must be contiguous fp32"):
+        torch.ops.vllm_quant.linear_int8(out6, x6, q6_k.qweight, q6_k.scales, 16, q6_k.superblocks.squeeze(2))

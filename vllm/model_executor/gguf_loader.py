@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from vllm.config import hf_num_kv_heads
-from vllm.model_executor.layers.quantization import INT4_GROUP, QuantizedWeight, q4_1_scales_and_mins
+from vllm.model_executor.layers.quantization import INT4_GROUP, Q6_K_GROUP, QuantizedWeight, q4_1_scales_and_mins
 
 # transformers' model_type (from general.architecture) -> the model class that serves it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -253,7 +253,7 @@ def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, k)
     sc = blocks[..., 192:208].contiguous().view(torch.int8)  # [N, blocks, 16]
     d = _fp16(blocks[..., 208:210])[..., None]  # [N, blocks, 1]; a group's scale d * sc, exact
-    return QuantizedWeight("int8", q.contiguous(), sc.reshape(n, -1).contiguous(), 16, k,
+    return QuantizedWeight("int8", q.contiguous(), sc.reshape(n, -1).contiguous(), Q6_K_GROUP, k,
                            superblocks=d.contiguous())
 
 

@@ -102,7 +102,7 @@ struct Workspace {
   std::vector<float> gsums;     // [M, G] (group_sums), where weights have offsets
   std::vector<float> sums;      // [M, N] fp32 sums of a bf16 out
   std::vector<uint8_t> xu;      // [M, K] xq + 128 (dot_blocks_rows), int8 with several rows only
-  std::vector<int32_t> xsum;    // [M, K / 32] block sums of xq (row tiles only)
+  std::vector<int32_t> xsum;    // [M, K / 32 * kXSums] sums of xq per (half) block (row tiles only)
 #ifdef VLLM_QUANT_AVX2
   std::vector<Int4Pairs> pairs; // one per row of x, paired int4 only
 #endif

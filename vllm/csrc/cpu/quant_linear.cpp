@@ -362,36 +362,39 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 int64_t tile_x_chunk(int64_t K) { return std::max<int64_t>(vllm_quant_tiles::kRowsOfX, kXChunkBytes / K); }
 
 // A weight in row tiles of format F (quant_tiles.h): out [M, N] = x' @ W'.T. x is quantized once
-// per call as on the row layout, with the block sums (int4) or x + 128 (int8) the format reads;
-// the tasks split the tiles.
+// per call as on the row layout, with the sums per block (int4) or half block (Q6_K) or the x + 128
+// (int8) the format reads; the tasks split the tiles.
 template <typename F>
 void tiled_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const at::Tensor* mins, const at::Tensor* supers = nullptr) {
   using S = typename F::Scale;
   using vllm_quant_tiles::kTileRows;
-  constexpr bool kInt8 = F::kInt8;
+  constexpr int kSums = F::kXSums;  // xq's sums per block the format reads; none: x + 128 instead
   const int64_t M = x.size(0), K = x.size(1), T = qweight.size(0), B = qweight.size(1), N = T * kTileRows;
   Workspace& work = calling_thread_workspace();
   quantize_x(x, work);
   const int8_t* xq = work.xq.data();
-  work.xsum.resize(kInt8 ? 0 : M * B);
-  work.xu.resize(kInt8 ? M * K : 0);
+  work.xsum.resize(M * B * kSums);
+  work.xu.resize(kSums == 0 ? M * K : 0);
   int32_t* xsum = work.xsum.data();
   uint8_t* xu = work.xu.data();
   at::parallel_for(0, M * B, kPrepRowsPerTask * B, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      if constexpr (kInt8) {
+      if constexpr (kSums == 0) {
         for (int64_t j = 0; j < kBlock; ++j) xu[i * kBlock + j] = static_cast<uint8_t>(xq[i * kBlock + j] + 128);
       } else {
-        int32_t s = 0;
-        for (int64_t j = 0; j < kBlock; ++j) s += xq[i * kBlock + j];
-        xsum[i] = s;
+        for (int h = 0; h < kSums; ++h) {
+          int32_t s = 0;
+          for (int64_t j = h * kBlock / kSums; j < (h + 1) * kBlock / kSums; ++j) s += xq[i * kBlock + j];
+          xsum[i * kSums + h] = s;
+        }
       }
     }
   });
   std::vector<vllm_quant_tiles::XRow> rows(M);
   for (int64_t m = 0; m < M; ++m)
-    rows[m] = {xq + m * K, kInt8 ? xu + m * K : nullptr, work.xs.data() + m * B, kInt8 ? nullptr : xsum + m * B};
+    rows[m] = {xq + m * K, kSums == 0 ? xu + m * K : nullptr, work.xs.data() + m * B,
+               kSums == 0 ? nullptr : xsum + m * B * kSums};
   const bool bf16_out = out.scalar_type() == at::kBFloat16;
   const vllm_quant_tiles::Out to{bf16_out ? nullptr : out.data_ptr<float>(),
                                  bf16_out ? static_cast<uint16_t*>(out.data_ptr()) : nullptr, N};
@@ -475,11 +478,31 @@ void tiled_int4(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qw
 #endif
 }
 
+// GGUF Q6_K in row tiles: sc int8 [T, K / 16, 16], superblocks fp32 [T, K / 256, 1, 16] (d of the
+// 16 rows); checked, then tiled_linear.
+void tiled_q6_k(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sc,
+                int64_t group, const at::Tensor& supers) {
+  const int64_t T = qweight.size(0), B = qweight.size(1);
+  TORCH_CHECK(group == 16 && B % 8 == 0 && sc.scalar_type() == at::kChar && tiled_scales(sc, qweight, 2 * B),
+              "tiled Q6_K sc must be int8 [N / 16, K / 16, 16] in groups of 16, K a multiple of 256");
+  TORCH_CHECK(supers.scalar_type() == at::kFloat && supers.is_contiguous() && supers.dim() == 4 &&
+                  supers.size(0) == T && supers.size(1) == B / 8 && supers.size(2) == 1 && supers.size(3) == 16,
+              "tiled Q6_K superblocks must be contiguous fp32 [N / 16, K / 256, 1, 16]");
+#ifdef VLLM_QUANT_OCTS
+  tiled_linear<vllm_quant_tiles::Int8K>(out, x, qweight, sc, nullptr, &supers);
+#endif
+}
+
 // int8 weights in row tiles: qweight [T, B, 512], scales fp32 [T, 1, 16] per output channel (group
-// K) or fp32 / fp16 [T, B, 16] per block of 32 (GGUF Q8_0's d); checked, then tiled_linear.
+// K) or fp32 / fp16 [T, B, 16] per block of 32 (GGUF Q8_0's d), or Q6_K's two-level form
+// (tiled_q6_k); checked, then tiled_linear.
 void tiled_int8(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                int64_t group) {
+                int64_t group, const std::optional<at::Tensor>& supers) {
   check_tiled(out, x, qweight, 512);
+  if (supers) {
+    tiled_q6_k(out, x, qweight, scales, group, *supers);
+    return;
+  }
   const int64_t K = x.size(1);
   const bool per_channel = group == K, half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK((per_channel || group == kBlock) &&
@@ -524,8 +547,7 @@ void quant_linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Ten
                        int64_t group, const std::optional<at::Tensor>& superblocks) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "int8 qweight must be int8");
   if (qweight.dim() == 3) {
-    TORCH_CHECK(!superblocks, "Q6_K stays in the row layout");
-    tiled_int8(out, x, qweight, scales, group);
+    tiled_int8(out, x, qweight, scales, group, superblocks);
     return;
   }
   if (superblocks.has_value()) {  // GGUF Q6_K: int8 sc per 16, d per 256

@@ -23,6 +23,9 @@
  *   int8 qweight int8 [T, B, 512]: block b is 8 chunks of 64 bytes; byte 4 r + j of chunk c holds
  *     row 16 t + r's element 32 b + 4 c + j; scales per output channel fp32 [T, 1, 16] (group K,
  *     `--quantization int8`) or per block [T, B, 16] (group 32: GGUF Q8_0's fp16 d).
+ *   GGUF Q6_K: qweight as int8's, holding the file's unsigned values u = q + 32 (0..63); sc int8
+ *     [T, K / 16, 16] (a block's two halves at 2 b and 2 b + 1) and superblocks fp32
+ *     [T, B / 8, 1, 16] (d of the 16 rows).
  *
  * Semantics (quant_linear.cpp's, the same reference): per row of x, block b and weight row n,
  *   int4: U = sum_j u[n, j] xq[j] over the block (u the stored nibble, exact in int32),
@@ -34,6 +37,9 @@
  *   int8: I = sum_j w[n, j] xq[j], formed as sum_j w (xq + 128) - 128 sum_j w (exact in int32)
  *         per block: acc[n] += float(I) * (d[n] * xs[b]); per channel: acc[n] += float(I) * xs[b],
  *         then out[n] = acc[n] * s[n]
+ *   Q6_K: I_lo, I_hi as I over the block's features 0-15 and 16-31, formed as sum_j u xq - 32 sum_j xq;
+ *         acc[n] += (float(I_lo) * (d sc_2b)[n] + float(I_hi) * (d sc_2b+1)[n]) * xs[b], d sc exact
+ *         in fp32 (fp16 d times int8 sc)
  * over b = 0 .. B - 1 in order, acc starting at 0: each (row of x, weight row) the same operations
  * in the same order however many rows of x or tiles share a pass, so its sum does not depend on
  * the batch, the thread count or the work split.
@@ -56,12 +62,17 @@ constexpr int64_t kTileRows = 16;     // weight rows a tile interleaves
 // (weights, scales): the hardware prefetchers keep more lines in flight. One Zen 4 thread, weights
 // from memory, 9 alternating rounds, time against 4 tiles: int4 2 tiles 0.73-0.88x (symmetric,
 // Q4_1, Q4_K: 0.65x; SmolLM2's and Granite-3.3-2B's shapes; two threads 0.75-0.86x), 1 tile
-// 0.66-0.96x; int8 2 tiles 0.94-1.07x, 1 tile 1.00-1.22x.
-constexpr int kStreamsInt4 = 2, kStreamsInt8 = 4;
+// 0.66-0.96x; int8 per channel 2 tiles 0.94-1.07x, 1 tile 1.00-1.22x. Against the row layout, where
+// a tile has more streams (Llama-3.2-1B's shapes; SmolLM2's): Q6_K (weights, sc, d) 2 tiles
+// 0.62-0.70x, 1 tile 0.74x, 3 tiles 0.99x, 4 tiles 1.14x; GGUF Q8_0 (weights, d) 3 tiles 0.80x
+// (0.84x), 2 tiles 0.83-0.85x (0.90x), 4 tiles 1.00x; two threads near the memory's rate (~30 GB/s):
+// Q6_K 1.00x, Q8_0 0.93x.
+constexpr int kStreamsInt4 = 2, kStreamsInt8 = 4, kStreamsQ8Blocks = 3, kStreamsQ6K = 2;
 constexpr int kRowsOfX = 4;  // rows of x sharing each unpacked block of a tile (several rows)
 
-// One row of x quantized: xq [K] (int4 reads it), xu = xq + 128 [K] (int8 reads it), its block
-// scales xs [B] and block sums xsum [B] (int4).
+// One row of x quantized: xq [K] (int4 and Q6_K read it), xu = xq + 128 [K] (int8 reads it), its
+// block scales xs [B] and the sums of xq per block (int4: xsum [B]) or per half block (Q6_K: [2 B]),
+// as a format's kXSums says.
 struct XRow {
   const int8_t* xq;
   const uint8_t* xu;
@@ -141,7 +152,7 @@ inline __m512i nibble_sums(const __m512i* v, const XRow& x, int64_t b) {
 // What the int4 formats share: the block layout, what they read of x, how many tiles at once.
 struct Int4Layout {
   static constexpr int kStreams = kStreamsInt4;
-  static constexpr bool kInt8 = false;  // reads xq and xsum
+  static constexpr int kXSums = 1;  // reads xq and its sums per block
   static constexpr int64_t kBlockBytes = 256;
   struct Block {
     __m512i v[8];  // unpack_nibbles'
@@ -205,8 +216,8 @@ struct Int4K : Int4Layout {
 template <bool kPerBlock, typename S>
 struct Int8 {
   using Scale = S;
-  static constexpr int kStreams = kStreamsInt8;
-  static constexpr bool kInt8 = true;  // reads xu
+  static constexpr int kStreams = kPerBlock ? kStreamsQ8Blocks : kStreamsInt8;
+  static constexpr int kXSums = 0;  // reads xu
   static constexpr int64_t kBlockBytes = 512;
   struct Block {
     __m512i w[8];
@@ -243,6 +254,50 @@ struct Int8 {
   static __m512 finish(__m512 acc, const Tile<S>& tile) {
     return kPerBlock ? acc : _mm512_mul_ps(acc, widen_scales(tile.scales));
   }
+};
+
+// GGUF Q6_K in its two-level form (the header's formula): int8's block layout holding the file's
+// unsigned 6-bit values u = q + 32, which vpdpbusd takes as its unsigned operand against xq: each half
+// block (16 features, chunks 0-3 and 4-7) sums U = sum u xq on its own, and I = U - 32 X comes from
+// x's own half sums X, formed once per row of x (int8's x + 128 would take 8 more vpdpbusd a block
+// for the weight sums). Each half is scaled by its d sc, formed from the superblock's d and the
+// half's int8 sc (exact in fp32). The two halves' chains of 4 vpdpbusd stand for int8's even and odd.
+struct Int8K {
+  using Scale = int8_t;
+  static constexpr int kStreams = kStreamsQ6K;
+  static constexpr int kXSums = 2;  // reads xq and its sums per half block
+  static constexpr int64_t kBlockBytes = 512;
+  struct Block {
+    __m512i u[8];
+    __m512 d_lo, d_hi;  // the 16 rows' d sc of each half
+  };
+
+  static __m512 widen_bytes(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+
+  static void load(const Tile<int8_t>& tile, int64_t b, Block& k) {
+    const uint8_t* block = tile.q + b * kBlockBytes;
+    for (int c = 0; c < 8; ++c) k.u[c] = _mm512_loadu_si512(block + 64 * c);
+    const __m512 d = _mm512_loadu_ps(tile.supers + (b / 8) * kTileRows);
+    k.d_lo = _mm512_mul_ps(d, widen_bytes(tile.scales + 2 * b * tile.pitch));
+    k.d_hi = _mm512_mul_ps(d, widen_bytes(tile.scales + (2 * b + 1) * tile.pitch));
+  }
+
+  static __m512 step(__m512 acc, const Block& k, const XRow& x, int64_t b) {
+    const int32_t* xb = reinterpret_cast<const int32_t*>(x.xq + 32 * b);
+    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      lo = _mm512_dpbusd_epi32(lo, k.u[c], _mm512_set1_epi32(xb[c]));
+      hi = _mm512_dpbusd_epi32(hi, k.u[4 + c], _mm512_set1_epi32(xb[4 + c]));
+    }
+    const __m512 i_lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, _mm512_set1_epi32(32 * x.xsum[2 * b])));  // exact
+    const __m512 i_hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, _mm512_set1_epi32(32 * x.xsum[2 * b + 1])));
+    const __m512 t = _mm512_fmadd_ps(i_lo, k.d_lo, _mm512_mul_ps(i_hi, k.d_hi));
+    return _mm512_fmadd_ps(t, _mm512_set1_ps(x.xs[b]), acc);
+  }
+
+  static __m512 finish(__m512 acc, const Tile<int8_t>&) { return acc; }
 };
 
 // kS tiles against row m of x, block by block, each tile its own stream: their 16 outputs each from

@@ -45,7 +45,7 @@ Invariants:
     `round_activations` here. Without the native kernel every call takes the tiled torch path.
   - Where the native kernel has them (AVX512-VNNI), a layer's weight with a multiple of 16 rows is
     held in row tiles (`tile`; which formats in `_tileable`: int4 and int8 at load, GGUF Q4_0, Q4_1,
-    Q4_K and Q8_0; layouts and semantics in vllm/csrc/cpu/quant_tiles.h): the same bytes, moved so one
+    Q4_K, Q6_K and Q8_0; layouts and semantics in vllm/csrc/cpu/quant_tiles.h): the same bytes, moved so one
     instruction serves 16 rows. Everything else reads it through `untile` (its exact inverse):
     slicing, dequantizing.
   - Only the base weights are quantized: LoRA slots and the embedding's lookup table stay in the
@@ -68,6 +68,8 @@ METHODS = ("int8", "int4")
 INT4_GROUP = 32
 ROW_TILE = 16  # weight rows per row tile (vllm/csrc/cpu/quant_tiles.h's kTileRows)
 KQUANT_SUPERBLOCK = 256  # weights per GGUF K-quant superblock (d, dmin)
+Q6_K_GROUP = 16  # weights per GGUF Q6_K sub-scale sc
+Q6_K_OFFSET = 32  # GGUF Q6_K stores q + 32 (0..63); its row tiles hold that, the row layout q (-32..31)
 ACT_BLOCK = 32  # input features per activation scale
 TILE_ROWS = 1024  # output channels dequantized at once on the dense path (bounds the temporary)
 # Rows of x up to which the native kernel runs, by weight format: where it took less time than the
@@ -209,13 +211,13 @@ def tile_rows() -> int:
 def _tileable(weight: QuantizedWeight) -> bool:
     """Whether the kernel's row tiles hold `weight` (quant_tiles.h): a multiple of 16 rows; int4 in groups
     of 32 with bf16 or fp16 scales (at load, GGUF Q4_0), fp16 scales and Q4_1's fp16 mins, or GGUF Q4_K's
-    two-level form; int8 per output channel with fp32 scales (at load) or in groups of 32 with fp32 or
-    fp16 scales (GGUF Q8_0), K a multiple of 32 (not Q6_K's groups of 16)."""
+    two-level form; int8 per output channel with fp32 scales (at load), in groups of 32 with fp32 or
+    fp16 scales (GGUF Q8_0), K a multiple of 32, or GGUF Q6_K's two-level form."""
     if weight.tiled or weight.out_features % ROW_TILE:
         return False
     scales, mins = weight.scales.dtype, weight.offsets
-    if weight.superblocks is not None:
-        return weight.method == "int4"  # Q4_K
+    if weight.superblocks is not None:  # GGUF Q4_K (int4) and Q6_K (int8, groups of 16), K a multiple of 256
+        return weight.method == "int4" or weight.group == Q6_K_GROUP
     if weight.method == "int4":
         return weight.group == INT4_GROUP and scales in (torch.bfloat16, torch.float16) and (
             mins is None or (mins.dtype == torch.float16 and scales == torch.float16))
@@ -236,13 +238,22 @@ def tile(weight: QuantizedWeight) -> QuantizedWeight:
     qweight = weight.qweight.view(t, ROW_TILE, b, chunks, 4).permute(0, 2, 3, 1, 4).reshape(t, b, 64 * chunks)
     per_tile = lambda s: s.view(t, ROW_TILE, g).permute(0, 2, 1)  # noqa: E731  [T, G, 16]
     if weight.offsets is None:
+        if weight.superblocks is not None:  # Q6_K: the file's unsigned values q + 32 (quant_tiles.h)
+            qweight = qweight + Q6_K_OFFSET
         return QuantizedWeight(weight.method, qweight.contiguous(), per_tile(weight.scales).contiguous(), weight.group,
-                               weight.in_features, tiled=True)
+                               weight.in_features, superblocks=_tile_superblocks(weight), tiled=True)
     scales, mins = q4_1_scales_and_mins(per_tile(weight.scales), per_tile(weight.offsets))  # [T, B, 2, 16]
-    # Q4_K's d and dmin per superblock: [T, K / 256, 2, 16]
-    supers = None if weight.superblocks is None else weight.superblocks.view(t, ROW_TILE, g // 8, 2).permute(0, 2, 3, 1)
     return QuantizedWeight("int4", qweight.contiguous(), scales, INT4_GROUP, weight.in_features, mins,
-                           None if supers is None else supers.contiguous(), tiled=True)
+                           _tile_superblocks(weight), tiled=True)
+
+
+def _tile_superblocks(weight: QuantizedWeight) -> Optional[torch.Tensor]:
+    """A K-quant's superblocks [N, K / 256, w] as [N / 16, K / 256, w, 16] (Q4_K's d and dmin, w = 2;
+    Q6_K's d, w = 1): each value's 16 rows side by side."""
+    if weight.superblocks is None:
+        return None
+    n, per_row, w = weight.superblocks.shape
+    return weight.superblocks.view(n // ROW_TILE, ROW_TILE, per_row, w).permute(0, 2, 3, 1).contiguous()
 
 
 def untile(weight: QuantizedWeight) -> QuantizedWeight:
@@ -252,10 +263,13 @@ def untile(weight: QuantizedWeight) -> QuantizedWeight:
     qweight = weight.qweight.view(t, b, chunks, ROW_TILE, 4).permute(0, 3, 1, 2, 4).reshape(n, b * 4 * chunks)
     per_row = lambda s: s.permute(0, 2, 1).reshape(n, g)  # noqa: E731
     scales, mins = per_row(weight.scales), None if weight.offsets is None else per_row(weight.offsets)
-    if weight.superblocks is not None:
-        supers = weight.superblocks.permute(0, 3, 1, 2).reshape(n, g // 8, 2)
-        return QuantizedWeight("int4", qweight.contiguous(), scales.contiguous(), weight.group, weight.in_features,
-                               mins.contiguous(), supers.contiguous())
+    if weight.superblocks is not None:  # Q4_K's sc and m stay apart; Q6_K has no mins and holds q + 32
+        _, per_row_supers, w, _ = weight.superblocks.shape
+        supers = weight.superblocks.permute(0, 3, 1, 2).reshape(n, per_row_supers, w)
+        if weight.method == "int8":
+            qweight = qweight - Q6_K_OFFSET
+        return QuantizedWeight(weight.method, qweight.contiguous(), scales.contiguous(), weight.group,
+                               weight.in_features, None if mins is None else mins.contiguous(), supers.contiguous())
     if mins is not None:
         scales, mins = q4_1_scales_and_mins(scales, mins)
     return QuantizedWeight(weight.method, qweight.contiguous(), scales.contiguous(), weight.group, weight.in_features,

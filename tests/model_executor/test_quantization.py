@@ -785,3 +785,23 @@ def test_tiled_kernel_refuses_mismatched_tensors():
         torch.ops.vllm_quant.linear_int8(out6, x6, q6_k.qweight, q6_k.scales[:, :-1], 16, q6_k.superblocks)
     with pytest.raises(RuntimeError, match="tiled Q6_K superblocks must be contiguous fp32"):
         torch.ops.vllm_quant.linear_int8(out6, x6, q6_k.qweight, q6_k.scales, 16, q6_k.superblocks.squeeze(2))
+
+
+@needs_tiles
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_holds_row_tiles(tied):
+    """A quantized head whose vocabulary is a multiple of 16 rows is held in the kernel's row tiles, at
+    load and when the file stored it quantized, and computes the row layout's reference at one row and
+    at many."""
+    head, _, weight = _head(96, 64, tied, seed=6)
+    head.quantize("int4")
+    assert head._quantized.tiled and torch.equal(q.untile(head._quantized).qweight, q.quantize(weight, "int8").qweight)
+    stored = q.quantize(torch.randn(96, 64, generator=torch.Generator().manual_seed(7)), "int8")
+    loaded, embedding, _ = _head(96, 64, tied, seed=6)
+    target = embedding.weight if tied else loaded.weight
+    target.weight_loader(target, stored)
+    assert loaded._quantized.tiled and loaded.weight_nbytes == stored.nbytes
+    for rows in (1, 40):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        _check_kernel(head(x), x, q.quantize(weight, "int8"))
+        _check_kernel(loaded(x), x, stored)

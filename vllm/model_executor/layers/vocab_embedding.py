@@ -18,7 +18,9 @@ quantized): the head keeps only a `QuantizedWeight` (layers/quantization.py) of 
 int8 per output channel whatever the method (llama.cpp keeps its output matrix at 6-8 bits too:
 the head is small next to the linears in FLOPs but not in bytes, and int4 there costs accuracy).
 Tied, the embedding keeps its table in the model dtype for lookups and the head its own packed
-copy; untied, the dense head weight is dropped. A quantized checkpoint tensor loaded into the
+copy; untied, the dense head weight is dropped. The packed head is held in the kernel's row tiles
+where it has them (`quantization.tile`), as the linears are: SmolLM2's int4 decode step the same at
+batch 1, 0.81-0.93x at 16 (one and two Zen 4 threads). A quantized checkpoint tensor loaded into the
 embedding is dequantized into its table.
 """
 
@@ -33,7 +35,7 @@ from torch import nn
 from vllm.distributed.parallel_state import all_gather, all_reduce, get_tp
 from vllm.model_executor.layers.dense_gemv import dense_linear
 from vllm.model_executor.layers.linear import default_weight_loader, onednn_linear, pack_onednn_weight
-from vllm.model_executor.layers.quantization import METHODS, QuantizedWeight, quantize, quantized_linear
+from vllm.model_executor.layers.quantization import METHODS, QuantizedWeight, quantize, quantized_linear, tile
 from vllm.model_executor.layers.tensor_parallel import vocab_range
 
 # What the head is quantized to under every `--quantization` method: per output channel int8.
@@ -130,7 +132,7 @@ class LMHead(nn.Module):
         if (weight.out_features, weight.in_features) != (self.vocab_size, self.hidden_size):
             raise ValueError(f"shape mismatch: the LM head expects {(self.vocab_size, self.hidden_size)}, the "
                              f"checkpoint has {(weight.out_features, weight.in_features)}")
-        self._quantized = weight
+        self._quantized = tile(weight)
         if not self.tied:
             self.weight.data = self.weight.data.new_empty(0)
 
@@ -141,7 +143,7 @@ class LMHead(nn.Module):
             raise ValueError(f"Unknown quantization {method!r}; supported: {', '.join(METHODS)}.")
         if self._quantized is not None:
             return
-        self._quantized = quantize(self.weight, HEAD_METHOD)
+        self._quantized = tile(quantize(self.weight, HEAD_METHOD))
         if not self.tied:
             self.weight.data = self.weight.data.new_empty(0)
 

@@ -1,4 +1,4 @@
-"""benchmarks/llama_cpp.py: the GGUF files it writes (quantized linears, an 8-bit head), the greedy
+"""benchmarks/against_llama_cpp.py: the GGUF files it writes (quantized linears, an 8-bit head), the greedy
 check's prompt and prefix count, the engine side timed on a tiny file, and the whole comparison
 where llama-cpp-python is installed (it is not an engine dependency: CI skips that part)."""
 
@@ -9,7 +9,7 @@ import copy
 import gguf
 import pytest
 
-from benchmarks import llama_cpp as bench
+from benchmarks import against_llama_cpp as bench
 from benchmarks.common import load_hf_config
 
 

@@ -76,7 +76,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* xq, float* xs) {
 // What GGUF Q4_K's offsets meet: x' summed per weight group, gsums[m, g] = the sum over the group's
 // blocks b of xs[m, b] times the integer sum of xq over block b (fp32, in block order). K is a
 // multiple of group, group of 32.
-inline void group_sums(const int8_t* xq, const float* xs, int64_t M, int64_t K, int64_t group, std::vector<float>& sums) {
+inline void group_sums(const int8_t* xq, const float* xs, int64_t M, int64_t K, int64_t group,
+                       std::vector<float>& sums) {
   const int64_t G = K / group, nblocks = K / kBlock, per_group = group / kBlock;
   sums.resize(M * G);
   for (int64_t m = 0; m < M; ++m)
@@ -114,7 +115,9 @@ struct Workspace {
     const auto drop = [&](auto& v, size_t bytes) {
       if (bytes > kKeptBytes) std::decay_t<decltype(v)>().swap(v);
     };
-    const auto bytes = [](const auto& v) { return v.capacity() * sizeof(typename std::decay_t<decltype(v)>::value_type); };
+    const auto bytes = [](const auto& v) {
+      return v.capacity() * sizeof(typename std::decay_t<decltype(v)>::value_type);
+    };
     drop(xq, bytes(xq)), drop(xs, bytes(xs)), drop(gsums, bytes(gsums)), drop(sums, bytes(sums)), drop(xu, bytes(xu));
     drop(xsum, bytes(xsum));
 #ifdef VLLM_QUANT_AVX2

@@ -150,7 +150,8 @@ inline __m256 scales8_even_odd(const float* ws) {
 inline __m256 scales8_even_odd(const uint16_t* ws) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws));
   return _mm256_castsi256_ps(
-      _mm256_set_m128i(_mm_and_si128(bits, _mm_set1_epi32(static_cast<int32_t>(0xFFFF0000u))), _mm_slli_epi32(bits, 16)));
+      _mm256_set_m128i(_mm_and_si128(bits, _mm_set1_epi32(static_cast<int32_t>(0xFFFF0000u))),
+                       _mm_slli_epi32(bits, 16)));
 }
 inline __m256 scales8_even_odd(const c10::Half* ws) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws));

@@ -1,8 +1,8 @@
 """Batch-1 decode against llama.cpp: the same GGUF file, the same machine, the same threads.
 
     pip install llama-cpp-python        # not an engine dependency; builds llama.cpp for this CPU
-    python -m benchmarks.llama_cpp --types Q4_0 Q8_0 BF16 --threads 1 2
-    python -m benchmarks.llama_cpp --llama-1b-shapes --types Q4_0 Q8_0
+    python -m benchmarks.against_llama_cpp --types Q4_0 Q8_0 BF16 --threads 1 2
+    python -m benchmarks.against_llama_cpp --llama-1b-shapes --types Q4_0 Q8_0
 
 The packaged SmolLM2-135M-Instruct (or --model, a Llama/Qwen2 folder) is written as one GGUF
 file per --types entry (tests/utils/gguf_files.py: llama.cpp's converter's names and rotary

@@ -62,12 +62,14 @@ constexpr int64_t kTileRows = 16;     // weight rows a tile interleaves
 // (weights, scales): the hardware prefetchers keep more lines in flight. One Zen 4 thread, weights
 // from memory, 9 alternating rounds, time against 4 tiles: int4 2 tiles 0.73-0.88x (symmetric,
 // Q4_1, Q4_K: 0.65x; SmolLM2's and Granite-3.3-2B's shapes; two threads 0.75-0.86x), 1 tile
-// 0.66-0.96x; int8 per channel 2 tiles 0.94-1.07x, 1 tile 1.00-1.22x. Against the row layout, where
+// 0.66-0.96x; then 3 tiles against 2 (15 alternating rounds): 0.89-0.96x on one thread (Q4_0, bf16
+// scales, Q4_K), 0.88-0.96x on two (bf16 scales on Granite's shapes 1.02-1.07x); int8 per channel
+// 2 tiles 0.94-1.07x, 1 tile 1.00-1.22x. Against the row layout, where
 // a tile has more streams (Llama-3.2-1B's shapes; SmolLM2's): Q6_K (weights, sc, d) 2 tiles
 // 0.62-0.70x, 1 tile 0.74x, 3 tiles 0.99x, 4 tiles 1.14x; GGUF Q8_0 (weights, d) 3 tiles 0.80x
 // (0.84x), 2 tiles 0.83-0.85x (0.90x), 4 tiles 1.00x; two threads near the memory's rate (~30 GB/s):
 // Q6_K 1.00x, Q8_0 0.93x.
-constexpr int kStreamsInt4 = 2, kStreamsInt8 = 4, kStreamsQ8Blocks = 3, kStreamsQ6K = 2;
+constexpr int kStreamsInt4 = 3, kStreamsInt8 = 4, kStreamsQ8Blocks = 3, kStreamsQ6K = 2;
 constexpr int kRowsOfX = 4;  // rows of x sharing each unpacked block of a tile (several rows)
 
 // One row of x quantized: xq [K] (int4 and Q6_K read it), xu = xq + 128 [K] (int8 reads it), its

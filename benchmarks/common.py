@@ -422,15 +422,16 @@ class Floor:
         """One sequence: `num_tokens` new tokens after `context` cached ones."""
         return self.prefill_seconds([(num_tokens, context)])
 
-    def prefill_seconds(self, sequences: list[tuple[int, int]]) -> float:
-        """One step over several sequences, each (new tokens, cached tokens)."""
+    def prefill_seconds(self, sequences: list[tuple[int, int]], bandwidth: Optional[float] = None) -> float:
+        """One step over several sequences, each (new tokens, cached tokens). bandwidth: bytes/s
+        read in place of the measured `self.bandwidth` (a rate measured beside one figure)."""
         flops = sum(forward_flops(self.hf_config, n, c) for n, c in sequences)
         kv = sum(n + c for n, c in sequences) * self.kv_bytes_per_token
-        return max(flops / self.flops, (self.bytes + kv) / self.bandwidth)
+        return max(flops / self.flops, (self.bytes + kv) / (bandwidth or self.bandwidth))
 
-    def decode_seconds(self, contexts: list[int]) -> float:
+    def decode_seconds(self, contexts: list[int], bandwidth: Optional[float] = None) -> float:
         """One decode step of a batch: a new token for each sequence of `contexts` tokens."""
-        return self.prefill_seconds([(1, c) for c in contexts]) if contexts else 0.0
+        return self.prefill_seconds([(1, c) for c in contexts], bandwidth) if contexts else 0.0
 
     def as_dict(self) -> dict:
         return {"matmul_flops": self.flops, "bandwidth_bytes_per_s": self.bandwidth, "weight_bytes": self.bytes,

@@ -306,9 +306,13 @@ def interleaved_decode(args, model_dir: str, kwargs: dict, device: str) -> tuple
     """Batch-1 decode of every --precision, one engine each, timed in turns for --interleave
     rounds: a slow minute of a shared host slows every precision of that round alike, so the
     ratios to the first precision (the median of the rounds' own ratios) hold where absolute
-    figures move 10-40% run to run. The bandwidth is measured again after each round and every
-    floor takes the fastest measured in the run: a floor from a slow minute at the start put
+    figures move 10-40% run to run. The bandwidth is measured before and after each timing and
+    every floor takes the fastest measured in the run: a floor from a slow minute at the start put
     figures from faster minutes under it (0.88-0.92x on Granite-3.3-2B's shapes on one Zen 3 VM).
+    That floor is the machine's best minute against the steps' median one, so each timing is also
+    put against its own minute's floor (the faster of the reads just before and after it): the
+    median of those ratios is "x floor, same minute" (on a Zen 4 VM whose reads moved 33-70 GB/s
+    from one minute to the next, the two columns parted by up to 1.5x).
     Each engine gets a small KV cache (INTERLEAVE_KV_BYTES) so that all fit in memory at once."""
     hf_config = load_hf_config(model_dir)
     engines = {}
@@ -322,12 +326,18 @@ def interleaved_decode(args, model_dir: str, kwargs: dict, device: str) -> tuple
         floor = precision_floor(llm, hf_config, dtype, quantization, device, args.kv_cache_dtype, num_tokens=128)
         engines[precision] = (llm, floor)
     times = {precision: [] for precision in engines}
-    bandwidth = max(floor.bandwidth for _, floor in engines.values())
+    same_minute = {precision: [] for precision in engines}  # each timing / its own minute's floor
+    with floor_clock():
+        before = measured_bandwidth(device)
+    bandwidth = max([before] + [floor.bandwidth for _, floor in engines.values()])
     for _ in range(args.interleave):
-        for precision, (llm, _) in engines.items():
+        for precision, (llm, floor) in engines.items():
             times[precision].append(decode_step_seconds(llm, 1, args.decode_context, device))
-        with floor_clock():  # again each round: the floors read at the run's fastest minute
-            bandwidth = max(bandwidth, measured_bandwidth(device))
+            with floor_clock():
+                after = measured_bandwidth(device)
+            minute_floor = floor.decode_seconds([args.decode_context], bandwidth=max(before, after))
+            same_minute[precision].append(times[precision][-1] / minute_floor)
+            bandwidth, before = max(bandwidth, after), after  # the floors read at the run's fastest minute
     for _, floor in engines.values():
         floor.bandwidth = bandwidth
     first = args.precision[0]
@@ -337,9 +347,11 @@ def interleaved_decode(args, model_dir: str, kwargs: dict, device: str) -> tuple
         speedup = median([a / b for a, b in zip(times[first], times[precision])])
         rows.append((precision, f"{step * 1000:.2f}",
                      f"{min(times[precision]) * 1000:.2f}-{max(times[precision]) * 1000:.2f}",
-                     f"{floor_s * 1000:.2f}", f"{step / floor_s:.2f}", f"{speedup:.2f}"))
+                     f"{floor_s * 1000:.2f}", f"{step / floor_s:.2f}", f"{median(same_minute[precision]):.2f}",
+                     f"{speedup:.2f}"))
         results[precision] = {"ms": [t * 1000 for t in times[precision]], "floor_ms": floor_s * 1000,
-                              "floor_bandwidth_bytes_per_s": floor.bandwidth, f"speedup_over_{first}": speedup}
+                              "floor_bandwidth_bytes_per_s": floor.bandwidth, f"speedup_over_{first}": speedup,
+                              "x_floor_same_minute": same_minute[precision]}
     return rows, results
 
 
@@ -431,7 +443,8 @@ def main() -> None:
         if not args.precision or len(args.precision) < 2:
             parser.error("--interleave needs two or more --precision values")
         rows, results["interleaved"] = interleaved_decode(args, model_dir, kwargs, device)
-        columns = ("precision", "ms (median)", "range", "floor ms", "x floor", f"x faster than {args.precision[0]}")
+        columns = ("precision", "ms (median)", "range", "floor ms", "x floor", "x floor, same minute",
+                   f"x faster than {args.precision[0]}")
         print_table(f"Batch-1 decode ({args.decode_context} ctx), {device}, {name}, {args.interleave} rounds in turns, "
                     f"{torch.get_num_threads()} threads, {args.clock} time", rows, columns)
     for precision in [] if args.interleave else args.precision or [None]:

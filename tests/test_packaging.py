@@ -26,7 +26,7 @@ def test_wheel_carries_the_kernel_sources(tmp_path):
     sources = sorted(n for n in os.listdir(os.path.join(ROOT, "vllm", "csrc", "cpu")) if n.endswith((".cpp", ".h")))
     assert sources == ["argmax.cpp", "attention_bf16_tiles.h", "attention_tasks.h", "attention_tiles.h", "bf16_bits.h",
                        "bf16_dot_linear.cpp", "decode_layer.cpp", "dense_gemv.cpp", "fused_norm.cpp",
-                       "paged_attention.cpp", "prefetch.h", "quant_activations.h", "quant_int4_pairs.h",
+                       "lora_runs.cpp", "paged_attention.cpp", "prefetch.h", "quant_activations.h", "quant_int4_pairs.h",
                        "quant_linear.cpp", "quant_rows.h", "quant_tiles.h", "rotary_kv.cpp", "row_tiles.h"]
     assert {f"vllm/csrc/cpu/{n}" for n in sources} <= names
     assert "vllm/native_build.py" in names

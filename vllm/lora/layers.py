@@ -25,6 +25,11 @@ into the base layer's reduction).
 The slots may hold another dtype than the base layer (`--lora-dtype`): then the op runs on
 a copy of x in that dtype into a zeroed buffer, added to the base output in its dtype, so
 the kernels always see one dtype.
+
+On the CPU, where the native LoRA kernel is built (vllm/lora/ops/cpu_native.py), the layer
+also keeps B transposed (`lora_b_t` [max_loras, S * max_rank, sum(output_sizes)], written by
+`set_lora` with B) and each slice's block of it (`_blocks`): steps whose adapted tokens form
+runs take that kernel, one call per layer; other steps the punica op.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from torch import nn
 
 from vllm.lora.lora_model import LoRALayerWeights
+from vllm.lora.ops import cpu_native
 from vllm.lora.punica import PunicaWrapper
 from vllm.platforms import use_triton_kernels
 
@@ -64,6 +70,14 @@ class LinearWithLoRA(nn.Module):
             torch.zeros(max_loras, size, rank_width, dtype=self.lora_dtype, device=weight.device) for size in b_sizes
         ]
         self._op_slices = tuple(b_sizes)
+        # The native CPU op's B^T and blocks (flat column start, column count, rank start, rank count).
+        self.lora_b_t: Optional[torch.Tensor] = None
+        if not use_triton_kernels(weight.device) and cpu_native.available(weight.device, self.lora_dtype):
+            self.lora_b_t = torch.zeros(max_loras, rank_width, sum(b_sizes), dtype=self.lora_dtype,
+                                        device=weight.device)
+        ranks = [max_rank * i if self.stacked else 0 for i in range(len(self.output_sizes))]
+        self._blocks = [v for off, size, r0 in zip(self._out_offsets, self.output_sizes, ranks)
+                        for v in (off, size, r0, max_rank)]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -79,6 +93,11 @@ class LinearWithLoRA(nn.Module):
 
     def set_lora(self, slot: int, weights: Optional[LoRALayerWeights]) -> None:
         """Load an adapter's weights for this layer into `slot` (None: the adapter skips it)."""
+        self._load_slot(slot, weights)
+        if self.lora_b_t is not None:
+            self.lora_b_t[slot].copy_(self.lora_b[0][slot].T)
+
+    def _load_slot(self, slot: int, weights: Optional[LoRALayerWeights]) -> None:
         for a in self.lora_a:
             a[slot].zero_()
         for b in self.lora_b:
@@ -100,9 +119,17 @@ class LinearWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer.forward_local(x)  # [num_tokens, sum(output_sizes)]
         if self.lora_dtype == y.dtype:
-            self.punica.add_lora(y, x, self.lora_a, self.lora_b, self._op_slices)
+            self._add_lora(y, x)
         elif self.punica.meta.has_lora:
             delta = torch.zeros(y.shape, dtype=self.lora_dtype, device=y.device)
-            self.punica.add_lora(delta, x.to(self.lora_dtype), self.lora_a, self.lora_b, self._op_slices)
+            self._add_lora(delta, x.to(self.lora_dtype))
             y.add_(delta.to(y.dtype))
         return self.base_layer.reduce(y)
+
+    def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        meta = self.punica.meta
+        if (self.lora_b_t is not None and cpu_native.runs_native(meta, y.dtype) and x.dim() == 2 and x.stride(1) == 1
+                and y.stride(1) == 1):
+            cpu_native.add_lora_runs(y, x, self.lora_a[0], self.lora_b_t, self._blocks, meta)
+        else:
+            self.punica.add_lora(y, x, self.lora_a, self.lora_b, self._op_slices)

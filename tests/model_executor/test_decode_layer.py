@@ -12,6 +12,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers import decode_layer, dense_gemv, quantization
+from tests.conftest import INVOCATION
 from tests.utils.adapters import make_adapter
 from tests.utils.native_layers import PROMPTS, both_paths, count_native_calls, greedy_run, native_layers
 
@@ -122,22 +123,50 @@ def test_layers_outside_the_plain_form_stay_python(arch, checkpoints, tokenizer,
     assert calls == [] and all(layer._native_decode is None for layer in native_layers(llm))
 
 
-def test_with_lora_on_base_steps_run_natively_and_adapter_steps_in_python(llama_dir, tokenizer, tmp_path,
-                                                                          monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_with_lora_base_and_adapter_steps_run_natively(dtype, llama_dir, tokenizer, tmp_path, monkeypatch):
     """With --enable-lora the Linears are LoRA wrappers: a step without adapter rows adds nothing to
-    their base products and runs natively; a step with one must not bypass the adapter."""
+    their base products, and a step with a few adapted rows adds each wrapper's delta with the native
+    LoRA op: both run natively, bit for bit the Python layers; so do an aLoRA's decode steps. Past the
+    native op's token limit an adapter step runs Python."""
+    from vllm.lora.ops import cpu_native
+
     adapter = make_adapter(llama_dir, str(tmp_path / "lora"), ["q_proj", "v_proj", "down_proj"], r=8, seed=3)
+    invocation = tokenizer.encode(INVOCATION, add_special_tokens=False)
+    alora_dir = make_adapter(llama_dir, str(tmp_path / "alora"), ["q_proj", "o_proj", "gate_proj"], r=8, seed=4,
+                             invocation_tokens=invocation)
     calls = count_native_calls(monkeypatch)
-    llm = LLM(llama_dir, max_model_len=128, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    # No prefix cache: a second run would prefill fewer tokens, and a LoRA delta of few tokens takes the
+    # native op where more take the torch op (another summation order), so only the decodes would match.
+    llm = LLM(llama_dir, max_model_len=128, dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=8,
+              enable_prefix_caching=False)
     native, python = both_paths(llm, tokenizer)
     assert calls and native == python
     calls.clear()
     lora = LoRARequest("lora", 1, adapter)
     native, python = both_paths(llm, tokenizer, lora)
-    assert calls == [] and native == python
+    assert calls and max(calls) <= cpu_native.NATIVE_MAX_TOKENS[getattr(torch, dtype)] and native == python
+    calls.clear()
+    prompts = [p + INVOCATION for p in PROMPTS]  # the invocation at each prompt's end
+    alora = LoRARequest("alora", 2, alora_dir)
+    native, python = both_paths(llm, tokenizer, alora, prompts)
+    assert calls and native == python
     monkeypatch.setenv("VLLM_USE_TORCH_REFERENCE_OPS", "1")
-    reference = LLM(llama_dir, max_model_len=128, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
-    assert [t for t, _ in greedy_run(reference, tokenizer, lora)] == [t for t, _ in native]
+    reference = LLM(llama_dir, max_model_len=128, dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=8)
+    if dtype == "float32":  # bf16's torch path rounds the delta in another order
+        assert [t for t, _ in greedy_run(reference, tokenizer, lora)] == [t for t, _ in both_paths(llm, tokenizer,
+                                                                                                    lora)[0]]
+
+
+def test_adapter_steps_past_the_native_lora_ops_limit_run_python(llama_dir, tokenizer, tmp_path, monkeypatch):
+    from vllm.lora.ops import cpu_native
+
+    monkeypatch.setattr(cpu_native, "NATIVE_MAX_TOKENS", {torch.float32: 2})
+    adapter = make_adapter(llama_dir, str(tmp_path / "lora"), ["q_proj", "v_proj", "down_proj"], r=8, seed=3)
+    calls = count_native_calls(monkeypatch)
+    llm = LLM(llama_dir, max_model_len=128, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    native, python = both_paths(llm, tokenizer, LoRARequest("lora", 1, adapter))  # three rows a decode step
+    assert calls == [] and native == python
 
 
 def test_reference_ops_turn_it_off(llama_dir, tokenizer, monkeypatch):

@@ -31,6 +31,12 @@
  * slices, each its own product written into its columns, the bias (if any) added after in the
  * output's dtype: quantized Linear's forward for slices (torch.cat of the products, then add_).
  *
+ * With --enable-lora (lora/layers.py's LinearWithLoRA): a step whose adapted tokens the native LoRA
+ * op takes (lora/ops/cpu_native.py's runs_native) passes their runs, and right after each wrapped
+ * linear's product (its bias included, before Granite's multiplier) the layer adds the LoRA delta
+ * with that op on the same tensors, as the wrapper's forward does; a step without adapter rows
+ * passes no runs and adds nothing, as the wrappers then add nothing.
+ *
  * A layer's arguments: weights = [input_norm, post_norm, cos, sin, then per slot (qkv's three, o,
  * gate_up's two, down; kSlots) its weight (dense) or qweight, its scales (quantized; empty
  * otherwise), its bias (or empty; a sliced linear's whole bias in its first slot), its offsets
@@ -73,6 +79,8 @@ using RotaryOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, c
 using StoreOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using AttentionOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, int64_t, double, int64_t, double, const OptTensor&);
+using LoraOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                    at::IntArrayRef);
 
 #define VLLM_CACHED_OP(fn, Sig, name)                            \
   const c10::TypedOperatorHandle<Sig>& fn() {                    \
@@ -87,6 +95,7 @@ VLLM_CACHED_OP(add_norm_op, NormOp, "vllm_norm::fused_add_rms_norm")
 VLLM_CACHED_OP(rotary_op, RotaryOp, "vllm_rotary_kv::rotary")
 VLLM_CACHED_OP(store_op, StoreOp, "vllm_rotary_kv::store_kv")
 VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
+VLLM_CACHED_OP(lora_op, LoraOp, "vllm_lora::add_lora_runs")
 #undef VLLM_CACHED_OP
 
 // The engine's few-row linear (dense_gemv.py's dense_linear / quantization.py's quantized_linear)
@@ -191,9 +200,18 @@ void linear_slots(const at::Tensor& out, const at::Tensor& x, at::TensorList wei
   if (bias.numel() > 0) out.add_(bias);
 }
 
-// What every layer of a step shares: the positions as int64 and the metadata, contiguous.
+// What every layer of a step shares: the positions as int64 and the metadata, contiguous, and the
+// adapted tokens' runs (flat slot, start, end; empty: no adapter row).
 struct Step {
   at::Tensor positions, slot_mapping, block_table, seq_lens, query_start_loc;
+  at::IntArrayRef runs;
+};
+
+// A layer's LoRA slots per linear (qkv, o, gate_up, down): A and B^T (undefined: not wrapped) and
+// the blocks of B^T each slice reads (lora_runs.cpp's arguments).
+struct LayerLora {
+  at::Tensor a[4], b_t[4];
+  std::vector<int64_t> blocks[4];
 };
 
 // A layer's activations for n rows, with the views the kernels take. Consecutive layers of one
@@ -241,9 +259,14 @@ Workspace& workspace_for(std::optional<Workspace>& ws, const at::Tensor& hidden,
 
 // One layer; returns (out, o) in `w`: the next layer's hidden state and residual.
 void decode_layer(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& kv_cache, const Step& step,
-                  at::TensorList weights, at::IntArrayRef ints, at::ArrayRef<double> floats, Workspace& w) {
+                  at::TensorList weights, at::IntArrayRef ints, at::ArrayRef<double> floats, const LayerLora* lora,
+                  Workspace& w) {
   const int64_t window = ints[3], n = hidden.size(0);
-  const auto lin = [&](const at::Tensor& out, const at::Tensor& x, int i) { linear_slots(out, x, weights, ints, i); };
+  const auto lin = [&](const at::Tensor& out, const at::Tensor& x, int i) {
+    linear_slots(out, x, weights, ints, i);
+    if (!step.runs.empty() && lora != nullptr && lora->a[i].defined())
+      lora_op().call(out, x, lora->a[i], lora->b_t[i], lora->blocks[i], step.runs);
+  };
 
   add_norm_op().call(w.h, hidden, residual, weights[0], floats[0]);  // hidden <- hidden + residual
   lin(w.qkv, w.h, 0);                                                  // [n, (H + 2 Hkv) D]
@@ -270,6 +293,7 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<at::Tensor> weights;
   std::vector<int64_t> ints;
   std::vector<double> floats;
+  std::vector<LayerLora> lora;  // per layer, once set_lora has been called (else no step passes runs)
 
   DecodeStack(std::vector<at::Tensor> weights_, std::vector<int64_t> ints_, std::vector<double> floats_)
       : weights(std::move(weights_)), ints(std::move(ints_)), floats(std::move(floats_)) {
@@ -282,17 +306,43 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(ints.size() / kInts); }
 
+  // Per layer and linear (layer-major): A and B^T, both empty where the linear is not wrapped, and
+  // its blocks' ints (block_counts of them each, flat in blocks).
+  void set_lora(std::vector<at::Tensor> tensors, std::vector<int64_t> blocks, std::vector<int64_t> block_counts) {
+    const int64_t linears = 4 * num_layers();
+    TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 2 * linears &&
+                    static_cast<int64_t>(block_counts.size()) == linears,
+                "DecodeStack.set_lora: expected ", 2 * linears, " tensors and ", linears, " block counts, got ",
+                tensors.size(), " and ", block_counts.size());
+    std::vector<LayerLora> layers(num_layers());
+    size_t at = 0;
+    for (int64_t j = 0; j < linears; ++j) {
+      LayerLora& layer = layers[j / 4];
+      const int i = static_cast<int>(j % 4);
+      TORCH_CHECK(block_counts[j] % 4 == 0 && at + block_counts[j] <= blocks.size(),
+                  "DecodeStack.set_lora: block counts must be whole (c0, nc, r0, nr) blocks within blocks");
+      if (tensors[2 * j].numel() > 0) {
+        layer.a[i] = tensors[2 * j];
+        layer.b_t[i] = tensors[2 * j + 1];
+        layer.blocks[i].assign(blocks.begin() + at, blocks.begin() + at + block_counts[j]);
+      }
+      at += block_counts[j];
+    }
+    lora = std::move(layers);
+  }
+
   // The layers one after the other: returns (hidden, residual) after the last.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor residual, const at::Tensor& positions,
                                              std::vector<at::Tensor> kv_caches, const at::Tensor& slot_mapping,
                                              const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                             const at::Tensor& query_start_loc) const {
+                                             const at::Tensor& query_start_loc, std::vector<int64_t> runs) const {
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "DecodeStack: ", num_layers(),
                 " layers, got ", kv_caches.size(), " KV caches");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes(),
                 "DecodeStack: hidden and residual must be contiguous [rows, hidden] of one shape");
+    TORCH_CHECK(runs.empty() || !lora.empty(), "DecodeStack: adapter runs given, but no LoRA slots set");
     const Step step{positions.to(at::kLong).contiguous(), slot_mapping.contiguous(), block_table, seq_lens,
-                    query_start_loc};
+                    query_start_loc, runs};
     const at::TensorList all_weights(weights);
     const at::IntArrayRef all_ints(ints);
     const at::ArrayRef<double> all_floats(floats);
@@ -302,7 +352,7 @@ struct DecodeStack : torch::CustomClassHolder {
       const at::IntArrayRef layer_ints = all_ints.slice(l * kInts, kInts);
       Workspace& w = workspace_for(ws, hidden, layer_weights, layer_ints);
       decode_layer(hidden, residual, kv_caches[l], step, layer_weights, layer_ints,
-                   all_floats.slice(l * kFloats, kFloats), w);
+                   all_floats.slice(l * kFloats, kFloats), lora.empty() ? nullptr : &lora[l], w);
       hidden = w.out;
       residual = w.o;
     }
@@ -315,5 +365,6 @@ struct DecodeStack : torch::CustomClassHolder {
 TORCH_LIBRARY(vllm_layer, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
+      .def("set_lora", &DecodeStack::set_lora)
       .def("forward", &DecodeStack::forward);
 }

@@ -82,7 +82,7 @@ void expand_block(T* y, int64_t y_stride, const float* h, int64_t RA, const T* b
 
 template <typename T>
 void runs_into(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
-               const std::vector<int64_t>& blocks, const std::vector<int64_t>& runs) {
+               at::IntArrayRef blocks, at::IntArrayRef runs) {
   const int64_t K = x.size(1), N = b_t.size(2), RA = a.size(1);
   const T* xp = vllm_cpu_bits::elements<T>(x);
   T* yp = vllm_cpu_bits::elements<T>(y);
@@ -109,7 +109,7 @@ void runs_into(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, co
 }
 
 void add_lora_runs(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
-                   const std::vector<int64_t>& blocks, const std::vector<int64_t>& runs) {
+                   at::IntArrayRef blocks, at::IntArrayRef runs) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "add_lora_runs: x must be float32 or bfloat16, got ",
               dtype);

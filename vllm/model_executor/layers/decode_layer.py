@@ -18,10 +18,12 @@ per step for its whole run):
   - its `native_decode_allowed` (True unless a test or benchmark turns the native path off);
   - per step: no more rows than each of its linears takes natively (dense_gemv.layer_rows: the
     GEMV's rows, and bf16 rows up to 16 where the vdpbf16ps kernel runs; quantization.native_max_rows)
-    in the layer's dtype, no padding rows, and no adapter in the
-    step (`punica.meta.has_lora` false: a wrapper then adds nothing to its base layer's product,
-    so an engine with --enable-lora decodes base-only steps natively and every step with an
-    adapter row, aLoRA's included, in Python). The first layer takes a zero residual.
+    in the layer's dtype, no padding rows, and either no adapter row in the step (`punica.meta.has_lora`
+    false: a wrapper then adds nothing to its base layer's product) or adapted tokens the native LoRA
+    op takes (lora/ops/cpu_native.py's `runs_native`: runs, few tokens) with every wrapper of the run
+    holding B transposed in the layer's dtype: the stack then adds each wrapper's delta with that op
+    after its product, as the wrapper does. Other adapter steps (many adapted tokens, fragmented
+    mappings, another --lora-dtype) run Python. The first layer takes a zero residual.
 Anything else runs the Python layer, which stays the reference.
 
 Invariant: a layer's native form is built at the model's first CPU forward, after
@@ -41,6 +43,7 @@ from vllm import envs, native_build
 from vllm.attention.backends import cpu_native
 from vllm.attention.metadata import AttentionMetadata
 from vllm.lora.layers import LinearWithLoRA
+from vllm.lora.ops import cpu_native as lora_native
 from vllm.model_executor.layers import dense_gemv, quantization
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
@@ -96,6 +99,17 @@ class NativeDecodeLayer:
         self.dtype = layer.input_layernorm.weight.dtype
         self.weights, self.ints, self.floats = weights, ints, floats
         self.max_rows = max_rows  # more rows than a linear runs natively: Python's product would differ
+        # Per linear its LoRA slots for the native op (A, B^T, blocks; empty where not wrapped), or
+        # None where a wrapper cannot take it (adapter steps then run Python).
+        self.lora: Optional[list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = []
+        for m in linears:
+            if type(m) is not LinearWithLoRA:
+                self.lora.append((_EMPTY, _EMPTY, []))
+            elif m.lora_b_t is not None and m.lora_dtype == self.dtype:
+                self.lora.append((m.lora_a[0], m.lora_b_t, m._blocks))
+            else:
+                self.lora = None
+                break
 
     @classmethod
     def build(cls, layer) -> Optional["NativeDecodeLayer"]:
@@ -139,6 +153,12 @@ class NativeDecodeStack:
         self._stack = torch.classes.vllm_layer.DecodeStack([w for native in natives for w in native.weights],
                                                            [i for native in natives for i in native.ints],
                                                            [f for native in natives for f in native.floats])
+        # Adapter steps natively: one adapter mapping, every wrapper's slots readable by the native op.
+        self._lora = len(self._punicas) == 1 and all(native.lora is not None for native in natives)
+        if self._lora:
+            slots = [slot for native in natives for slot in native.lora]
+            self._stack.set_lora([t for a, b_t, _ in slots for t in (a, b_t)],
+                                 [v for _, _, blocks in slots for v in blocks], [len(blocks) for _, _, blocks in slots])
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -149,7 +169,8 @@ class NativeDecodeStack:
                 and hidden.dtype == self.dtype and hidden.is_contiguous()
                 and (residual is None or residual.is_contiguous())
                 and all(layer.native_decode_allowed for layer in self.layers)
-                and not any(punica.meta.has_lora for punica in self._punicas))
+                and all(not punica.meta.has_lora or (self._lora and lora_native.runs_native(punica.meta, self.dtype))
+                        for punica in self._punicas))
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,8 +179,10 @@ class NativeDecodeStack:
         n = hidden.shape[0]
         if residual is None:
             residual = torch.zeros_like(hidden)
+        adapted = [p.meta for p in self._punicas if p.meta.has_lora]
+        runs = [value for run in adapted[0].runs for value in run] if adapted else []
         return self._stack.forward(hidden, residual, positions, kv_caches, meta.slot_mapping[:n], meta.block_table,
-                                   meta.seq_lens, meta.query_start_loc)
+                                   meta.seq_lens, meta.query_start_loc, runs)
 
 
 def runs(layers) -> dict[int, NativeDecodeStack]:

@@ -109,13 +109,15 @@ void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
   const bool has_bias = bias.defined() && bias.numel() > 0;
   if (kind == 0 && group > 0 && x.size(0) > group && x.scalar_type() == at::kBFloat16) {
     OptTensor b;  // bf16_dot_linear as dense_gemv.py calls it: a bf16 bias
-    if (has_bias) b = bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() ? bias : bias.to(at::kBFloat16).contiguous();
+    if (has_bias)
+      b = bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() ? bias : bias.to(at::kBFloat16).contiguous();
     bf16_dot_op().call(out, x, weight, b);
     return;
   }
   if (kind == 0) {
     OptTensor b;
-    if (has_bias) b = bias.scalar_type() == at::kFloat && bias.is_contiguous() ? bias : bias.to(at::kFloat).contiguous();
+    if (has_bias)
+      b = bias.scalar_type() == at::kFloat && bias.is_contiguous() ? bias : bias.to(at::kFloat).contiguous();
     gemv_op().call(out, x, weight, b);
     return;
   }

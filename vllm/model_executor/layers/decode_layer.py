@@ -94,7 +94,7 @@ class NativeDecodeLayer:
     def __init__(self, layer, weights: list[torch.Tensor], ints: list[int], floats: list[float], max_rows: int):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        # The adapter mappings of wrapped linears (one per engine): a step with an adapter row runs Python.
+        # The adapter mappings of wrapped linears (one per engine): `takes` reads their step metadata.
         self._punicas = list({id(m.punica): m.punica for m in linears if type(m) is LinearWithLoRA}.values())
         self.dtype = layer.input_layernorm.weight.dtype
         self.weights, self.ints, self.floats = weights, ints, floats

@@ -1,7 +1,7 @@
 """The native CPU LoRA op (vllm/csrc/cpu/lora_runs.cpp) against the torch op on a layer's stacked
 slots: fp32 and bf16, ranks padded below max_rank, features and columns off any vector width; rows
 without an adapter untouched; a token's result the same alone or in a batch and on any thread
-count; clear errors for bad runs; and LinearWithLoRA keeping B^T in step with B."""
+count; clear errors for bad runs; and LinearWithLoRA holding B once, transposed."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_bad_runs_and_shapes_get_clear_errors():
         torch.ops.vllm_lora.add_lora_runs(y, x, a.to(torch.bfloat16), b_t, blocks(), [0, 0, 4])
 
 
-def test_layer_keeps_b_transposed_in_step_with_b():
+def test_layer_holds_b_once_transposed():
     base = Linear(IN_FEATURES, SLICES, bias=False, dtype=torch.float32, device=torch.device("cpu"))
     base.weight.data.normal_()
     punica = PunicaWrapper(max_num_tokens=16, device=torch.device("cpu"))
@@ -133,7 +133,9 @@ def test_layer_keeps_b_transposed_in_step_with_b():
     weights = LoRALayerWeights(lora_a=[torch.randn(4, IN_FEATURES, generator=gen), None, torch.randn(4, IN_FEATURES)],
                                lora_b=[torch.randn(48, 4, generator=gen), None, torch.randn(21, 4)])
     layer.set_lora(2, weights)
-    assert torch.equal(layer.lora_b_t[2], layer.lora_b[0][2].T)
+    assert layer.lora_b[0].data_ptr() == layer.lora_b_t.data_ptr()  # one copy of B, seen both ways
+    assert torch.equal(layer.lora_b_t[2, :4, :48], weights.lora_b[0].T)
+    assert torch.equal(layer.lora_b_t[2, 16:20, 64:85], weights.lora_b[2].T) and not layer.lora_b_t[2, 8:16].any()
     punica.update(np.array([-1, 2, 2, 2]))
     assert cpu_native.runs_native(punica.meta, torch.float32)  # the native op, not the torch fallback
     x = torch.randn(4, IN_FEATURES, generator=gen)

@@ -27,9 +27,10 @@ a copy of x in that dtype into a zeroed buffer, added to the base output in its 
 the kernels always see one dtype.
 
 On the CPU, where the native LoRA kernel is built (vllm/lora/ops/cpu_native.py), the layer
-also keeps B transposed (`lora_b_t` [max_loras, S * max_rank, sum(output_sizes)], written by
-`set_lora` with B) and each slice's block of it (`_blocks`): steps whose adapted tokens form
-runs take that kernel, one call per layer; other steps the punica op.
+stores B transposed (`lora_b_t` [max_loras, S * max_rank, sum(output_sizes)]; `lora_b` is its
+transposed view, so `set_lora` and the punica op see the usual layout in the same memory) and
+each slice's block of it (`_blocks`): steps whose adapted tokens form runs take that kernel, one
+call per layer; other steps the punica op.
 """
 
 from __future__ import annotations
@@ -66,15 +67,18 @@ class LinearWithLoRA(nn.Module):
             torch.zeros(max_loras, rank_width, self.input_size, dtype=self.lora_dtype, device=weight.device)
             for _ in range(num_a)
         ]
-        self.lora_b = [
-            torch.zeros(max_loras, size, rank_width, dtype=self.lora_dtype, device=weight.device) for size in b_sizes
-        ]
-        self._op_slices = tuple(b_sizes)
-        # The native CPU op's B^T and blocks (flat column start, column count, rank start, rank count).
+        # Where the native CPU op runs, B is stored transposed (`lora_b_t`) and `lora_b` is a view of
+        # it: the torch op reads the same memory (its `b[slot].T` is lora_b_t[slot] itself).
         self.lora_b_t: Optional[torch.Tensor] = None
         if not use_triton_kernels(weight.device) and cpu_native.available(weight.device, self.lora_dtype):
             self.lora_b_t = torch.zeros(max_loras, rank_width, sum(b_sizes), dtype=self.lora_dtype,
                                         device=weight.device)
+            self.lora_b = [self.lora_b_t.transpose(1, 2)]
+        else:
+            self.lora_b = [torch.zeros(max_loras, size, rank_width, dtype=self.lora_dtype, device=weight.device)
+                           for size in b_sizes]
+        self._op_slices = tuple(b_sizes)
+        # The native op's blocks of B^T (flat column start, column count, rank start, rank count per slice).
         ranks = [max_rank * i if self.stacked else 0 for i in range(len(self.output_sizes))]
         self._blocks = [v for off, size, r0 in zip(self._out_offsets, self.output_sizes, ranks)
                         for v in (off, size, r0, max_rank)]
@@ -93,11 +97,6 @@ class LinearWithLoRA(nn.Module):
 
     def set_lora(self, slot: int, weights: Optional[LoRALayerWeights]) -> None:
         """Load an adapter's weights for this layer into `slot` (None: the adapter skips it)."""
-        self._load_slot(slot, weights)
-        if self.lora_b_t is not None:
-            self.lora_b_t[slot].copy_(self.lora_b[0][slot].T)
-
-    def _load_slot(self, slot: int, weights: Optional[LoRALayerWeights]) -> None:
         for a in self.lora_a:
             a[slot].zero_()
         for b in self.lora_b:

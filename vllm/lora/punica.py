@@ -18,6 +18,7 @@ they know, which is what makes aLoRA free in the layers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -45,6 +46,18 @@ class LoRAKernelMeta:
     @property
     def has_lora(self) -> bool:
         return bool(self.runs or self.groups) or self.graph
+
+    # Derived once per step (a step's meta is not changed once PunicaWrapper.update has set it),
+    # read by every LoRA layer's call on the CPU's native path.
+    @functools.cached_property
+    def flat_runs(self) -> list[int]:
+        """`runs` flat: slot, start, end, slot, start, end, ..."""
+        return [value for run in self.runs for value in run]
+
+    @functools.cached_property
+    def run_tokens(self) -> int:
+        """Tokens in `runs`."""
+        return sum(end - start for _, start, end in self.runs)
 
 
 # Beyond this many runs per adapter, one gather per adapter is cheaper than many views.

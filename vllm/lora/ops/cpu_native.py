@@ -3,8 +3,8 @@
 `add_lora_runs` computes what `torch_ops.add_lora` computes for a step whose adapted tokens
 form runs (`LoRAKernelMeta.runs`), up to summation order, in one native call per layer instead
 of two small torch matmuls per run (whose dispatch, not arithmetic, is their cost on the CPU).
-It reads B transposed (`b_t` [max_loras, rank width, out], kept by vllm/lora/layers.py beside
-the B the torch path reads) and only each slice's own block of it (`blocks`: the zero blocks of
+It reads B transposed (`b_t` [max_loras, rank width, out]: on the CPU vllm/lora/layers.py stores
+B so, the torch path reading its transposed view) and only each slice's own block of it (`blocks`: the zero blocks of
 the block-diagonal stacked B add nothing). Its dot products run one token at a time, so it wins
 where few tokens are adapted (decodes, short aLoRA invocations: NATIVE_MAX_TOKENS); steps with
 more, with gathered groups (a fragmented mapping), other dtypes, or under
@@ -42,12 +42,11 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 def runs_native(meta: LoRAKernelMeta, dtype: torch.dtype) -> bool:
     """This step's mapping as runs the op takes (no gather groups, no graph step), few enough tokens."""
     return (bool(meta.runs) and not meta.groups and not meta.graph
-            and sum(end - start for _, start, end in meta.runs) <= NATIVE_MAX_TOKENS.get(dtype, 0))
+            and meta.run_tokens <= NATIVE_MAX_TOKENS.get(dtype, 0))
 
 
 def add_lora_runs(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, blocks: Sequence[int],
                   meta: LoRAKernelMeta) -> None:
     """y [T, out] += each run's (x @ a[slot].T) @ b_t[slot] within `blocks` (flat column start,
     column count, rank start, rank count per slice); semantics: lora_runs.cpp's header."""
-    runs = [value for run in meta.runs for value in run]
-    torch.ops.vllm_lora.add_lora_runs(y, x, a, b_t, list(blocks), runs)
+    torch.ops.vllm_lora.add_lora_runs(y, x, a, b_t, blocks, meta.flat_runs)

@@ -180,7 +180,7 @@ class NativeDecodeStack:
         if residual is None:
             residual = torch.zeros_like(hidden)
         adapted = [p.meta for p in self._punicas if p.meta.has_lora]
-        runs = [value for run in adapted[0].runs for value in run] if adapted else []
+        runs = adapted[0].flat_runs if adapted else []
         return self._stack.forward(hidden, residual, positions, kv_caches, meta.slot_mapping[:n], meta.block_table,
                                    meta.seq_lens, meta.query_start_loc, runs)
 

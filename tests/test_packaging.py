@@ -24,9 +24,10 @@ def test_wheel_carries_the_kernel_sources(tmp_path):
     (wheel,) = [name for name in os.listdir(tmp_path) if name.endswith(".whl")]
     names = set(zipfile.ZipFile(tmp_path / wheel).namelist())
     sources = sorted(n for n in os.listdir(os.path.join(ROOT, "vllm", "csrc", "cpu")) if n.endswith((".cpp", ".h")))
-    assert sources == ["argmax.cpp", "attention_bf16_tiles.h", "attention_tasks.h", "attention_tiles.h", "bf16_bits.h",
-                       "bf16_dot_linear.cpp", "decode_layer.cpp", "dense_gemv.cpp", "fused_norm.cpp",
-                       "lora_runs.cpp", "paged_attention.cpp", "prefetch.h", "quant_activations.h", "quant_int4_pairs.h",
-                       "quant_linear.cpp", "quant_rows.h", "quant_tiles.h", "rotary_kv.cpp", "row_tiles.h"]
+    assert sources == ["argmax.cpp", "attention_bf16_tiles.h", "attention_tasks.h",
+                       "attention_tiles.h", "bf16_bits.h", "bf16_dot_linear.cpp", "decode_layer.cpp", "dense_gemv.cpp",
+                       "fused_norm.cpp", "lora_runs.cpp", "native_vec.h", "paged_attention.cpp", "prefetch.h",
+                       "quant_activations.h", "quant_int4_pairs.h", "quant_linear.cpp", "quant_rows.h", "quant_tiles.h",
+                       "rotary_kv.cpp", "row_tiles.h"]
     assert {f"vllm/csrc/cpu/{n}" for n in sources} <= names
     assert "vllm/native_build.py" in names

@@ -13,20 +13,11 @@
 
 #pragma once
 
-// The at::vec headers pick their SIMD width from CPU_CAPABILITY_* macros, which torch's own
-// build sets per kernel file; here they follow the instruction sets -march=native enabled.
-// CPU_CAPABILITY names the inline namespace of the vector types: a name of our own keeps
-// them apart from any copy compiled into libtorch.
-#define CPU_CAPABILITY vllm_cpu_native
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
+// First: it sets the SIMD width the at::vec headers below compile for.
+#include "native_vec.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
@@ -404,7 +395,7 @@ template <typename opmath_t>
 inline std::pair<opmath_t, opmath_t> softmax_numerators(opmath_t* row, int64_t n) {
   using Vec = at::vec::Vectorized<opmath_t>;
   constexpr int64_t W = Vec::size();
-  const auto max_of = [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); };
+  const auto max_of = [](const Vec& a, const Vec& b) { return vllm_cpu_bits::max_fast(a, b); };
   Vec m[4];
   for (auto& v : m) v = Vec(-std::numeric_limits<opmath_t>::infinity());
   int64_t t = 0;
@@ -416,10 +407,14 @@ inline std::pair<opmath_t, opmath_t> softmax_numerators(opmath_t* row, int64_t n
       at::vec::vec_reduce_all<opmath_t>(max_of, max_of(max_of(m[0], m[1]), max_of(m[2], m[3])));
   const Vec max(max_value);
   Vec sum(opmath_t(0));
-  for (t = 0; t < n; t += W) {
-    const int64_t w = std::min(W, n - t);
-    const Vec e = Vec::set(Vec(opmath_t(0)), (Vec::loadu(row + t, w) - max).exp_u20(), w);
-    e.store(row + t, w);
+  for (t = 0; t + W <= n; t += W) {
+    const Vec e = vllm_cpu_bits::exp_fast(Vec::loadu(row + t) - max);
+    e.store(row + t);
+    sum = sum + e;
+  }
+  if (t < n) {
+    const Vec e = Vec::set(Vec(opmath_t(0)), vllm_cpu_bits::exp_fast(Vec::loadu(row + t, n - t) - max), n - t);
+    e.store(row + t, n - t);
     sum = sum + e;
   }
   return {max_value, at::vec::vec_reduce_all<opmath_t>([](const Vec& a, const Vec& b) { return a + b; }, sum)};

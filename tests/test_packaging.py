@@ -24,7 +24,7 @@ def test_wheel_carries_the_kernel_sources(tmp_path):
     (wheel,) = [name for name in os.listdir(tmp_path) if name.endswith(".whl")]
     names = set(zipfile.ZipFile(tmp_path / wheel).namelist())
     sources = sorted(n for n in os.listdir(os.path.join(ROOT, "vllm", "csrc", "cpu")) if n.endswith((".cpp", ".h")))
-    assert sources == ["argmax.cpp", "attention_bf16_tiles.h", "attention_tasks.h",
+    assert sources == ["activation.cpp", "argmax.cpp", "attention_bf16_tiles.h", "attention_tasks.h",
                        "attention_tiles.h", "bf16_bits.h", "bf16_dot_linear.cpp", "decode_layer.cpp", "dense_gemv.cpp",
                        "fused_norm.cpp", "lora_runs.cpp", "native_vec.h", "paged_attention.cpp", "prefetch.h",
                        "quant_activations.h", "quant_int4_pairs.h", "quant_linear.cpp", "quant_rows.h", "quant_tiles.h",

@@ -18,7 +18,7 @@
  *   q, k, v = split(linear(h, qkv));  q, k = rotary(q, k)                    (self_attn)
  *   store_kv(k, v);  a = paged_attention(q);  o = linear(a, o_proj) * m
  *   o <- o + hidden;  h2 = rms_norm(o)                                       (post_attention_layernorm)
- *   gate, up = split(linear(h2, gate_up));  out = linear(silu(gate) * up, down) * m
+ *   out = linear(silu_and_mul(linear(h2, gate_up)), down) * m             (mlp: activation.cpp's op)
  *   with m the residual multiplier (Granite's; the product is skipped where m = 1, as in Python)
  *   returns (out, o): the next layer's hidden state and residual.
  *   linear(x, W) is the engine's few-row linear: dense (the GEMV on x in the model dtype, fp32 sums;
@@ -81,6 +81,7 @@ using AttentionOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, cons
                          const at::Tensor&, int64_t, double, int64_t, double, const OptTensor&);
 using LoraOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef,
                     at::IntArrayRef);
+using ActOp = void(const at::Tensor&, const at::Tensor&);
 
 #define VLLM_CACHED_OP(fn, Sig, name)                            \
   const c10::TypedOperatorHandle<Sig>& fn() {                    \
@@ -96,6 +97,7 @@ VLLM_CACHED_OP(rotary_op, RotaryOp, "vllm_rotary_kv::rotary")
 VLLM_CACHED_OP(store_op, StoreOp, "vllm_rotary_kv::store_kv")
 VLLM_CACHED_OP(attention_op, AttentionOp, "vllm_cpu::paged_attention")
 VLLM_CACHED_OP(lora_op, LoraOp, "vllm_lora::add_lora_runs")
+VLLM_CACHED_OP(silu_mul_op, ActOp, "vllm_act::silu_and_mul")
 #undef VLLM_CACHED_OP
 
 // The engine's few-row linear (dense_gemv.py's dense_linear / quantization.py's quantized_linear)
@@ -223,7 +225,7 @@ struct LayerLora {
 // instead of about ten tensors and ten views a layer.
 struct Workspace {
   std::vector<int64_t> key;  // n, H, Hkv, D and the linears' output sizes it was made for
-  at::Tensor h, qkv, q, k, v, rq, rk, attn, attn_rows, o, h2, gate_up, gate, up, act, out;
+  at::Tensor h, qkv, q, k, v, rq, rk, attn, attn_rows, o, h2, gate_up, act, out;
 
   Workspace(const at::Tensor& hidden, int64_t H, int64_t Hkv, int64_t D, int64_t qkv_n, int64_t o_n, int64_t gu_n,
             int64_t down_n)
@@ -242,8 +244,6 @@ struct Workspace {
     o = at::empty({n, o_n}, opts);
     h2 = at::empty({n, o_n}, opts);
     gate_up = at::empty({n, gu_n}, opts);
-    gate = gate_up.narrow(1, 0, inter);
-    up = gate_up.narrow(1, inter, inter);
     act = at::empty({n, inter}, opts);
     out = at::empty({n, down_n}, opts);
   }
@@ -284,7 +284,7 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& residual, const at
   add_norm_op().call(w.h2, w.o, hidden, weights[1], floats[1]);  // o <- o + (hidden + residual)
 
   lin(w.gate_up, w.h2, 2);
-  at::silu_out(w.act, w.gate).mul_(w.up);
+  silu_mul_op().call(w.act, w.gate_up);
   lin(w.out, w.act, 3);
   if (multiplier != 1.0) w.out.mul_(multiplier);
 }

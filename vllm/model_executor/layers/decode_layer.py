@@ -9,8 +9,9 @@ When a layer qualifies (`NativeDecodeLayer.build` decides once per layer, the st
 per step for its whole run):
   - on the CPU, every kernel it calls built, not under VLLM_USE_TORCH_REFERENCE_OPS;
   - a plain layer: native RMSNorm for both norms, no q/k norm or clipping, native rotary, no
-    attention sinks or soft cap (a sliding window is fine), LlamaMLP with SiLU, the native CPU
-    attention and KV store (Granite's residual and attention multipliers are fine);
+    attention sinks or soft cap (a sliding window is fine), LlamaMLP with SiLU on the native
+    SiLU-and-mul kernel (layers/activation.py), the native CPU attention and KV store (Granite's
+    residual and attention multipliers are fine);
   - its four linears `Linear`s, or LoRA wrappers of them (lora/layers.py), without a
     tensor-parallel shard, each dense (fp32 / bf16, row-major) or quantized int8 / int4 (GGUF
     Q4_K's offsets included), as one weight or, for qkv and gate_up, as the slices a GGUF file's
@@ -37,7 +38,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from vllm import envs, native_build
 from vllm.attention.backends import cpu_native
@@ -124,7 +124,7 @@ class NativeDecodeLayer:
                  and not attn.qk_norm and attn.clip_qkv is None and type(attn.rotary_emb) is RotaryEmbedding
                  and attn.rotary_emb._native and variant.sinks is None and variant.soft_cap is None
                  and attn.attn._attend is cpu_native.paged_attention and attn.attn._store_kv is cpu_native.store_kv
-                 and type(mlp) is LlamaMLP and mlp.act is F.silu)
+                 and type(mlp) is LlamaMLP and mlp.act_and_mul is not None and mlp.act_and_mul.native)
         if not plain or envs.VLLM_USE_TORCH_REFERENCE_OPS or not dense_gemv.native_available():
             return None
         linears = [_linear_args(m, slots) for m, slots in zip((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,

@@ -27,6 +27,7 @@ from torch import nn
 from vllm.attention.layer import Attention
 from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.variant import AttentionVariant
+from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.decode_layer import NativeDecodeLayer, NativeDecodeStack
 from vllm.model_executor.layers.decode_layer import runs as native_runs
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -101,6 +102,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any, options: DecoderOptions, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.act = activation_of(config, options)
+        # SiLU's gate product as one op (the native kernel on the CPU); other activations as two.
+        self.act_and_mul = SiluAndMul(dtype, device) if self.act is F.silu else None
         hidden, inter = config.hidden_size, options.intermediate_size or config.intermediate_size
         self.gate_up_proj = Linear(hidden, [inter, inter], options.mlp_bias, dtype, device,
                                    shard=column_shard([inter, inter], "the MLP's intermediate size"))
@@ -108,7 +111,10 @@ class LlamaMLP(nn.Module):
                                 shard=row_shard(inter, "the MLP's intermediate size"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.act_and_mul is not None:
+            return self.down_proj(self.act_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [num_tokens, intermediate] each
         return self.down_proj(self.act(gate).mul_(up))
 
 

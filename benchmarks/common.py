@@ -422,12 +422,14 @@ class Floor:
         """One sequence: `num_tokens` new tokens after `context` cached ones."""
         return self.prefill_seconds([(num_tokens, context)])
 
-    def prefill_seconds(self, sequences: list[tuple[int, int]], bandwidth: Optional[float] = None) -> float:
-        """One step over several sequences, each (new tokens, cached tokens). bandwidth: bytes/s
-        read in place of the measured `self.bandwidth` (a rate measured beside one figure)."""
-        flops = sum(forward_flops(self.hf_config, n, c) for n, c in sequences)
+    def prefill_seconds(self, sequences: list[tuple[int, int]], bandwidth: Optional[float] = None,
+                        flops: Optional[float] = None) -> float:
+        """One step over several sequences, each (new tokens, cached tokens). bandwidth, flops:
+        bytes/s and FLOP/s in place of the measured `self.bandwidth` and `self.flops` (rates
+        measured beside one figure)."""
+        work = sum(forward_flops(self.hf_config, n, c) for n, c in sequences)
         kv = sum(n + c for n, c in sequences) * self.kv_bytes_per_token
-        return max(flops / self.flops, (self.bytes + kv) / (bandwidth or self.bandwidth))
+        return max(work / (flops or self.flops), (self.bytes + kv) / (bandwidth or self.bandwidth))
 
     def decode_seconds(self, contexts: list[int], bandwidth: Optional[float] = None) -> float:
         """One decode step of a batch: a new token for each sequence of `contexts` tokens."""

@@ -51,10 +51,12 @@ from benchmarks.common import (
     default_device,
     engine_dtype,
     engine_kwargs,
+    linear_shapes,
     load_hf_config,
     load_line,
     machine_load,
     measured_bandwidth,
+    measured_matmul_flops,
     print_table,
     resolve_model,
     save_json,
@@ -291,10 +293,14 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
         for length in args.prefill_lengths:
             # A first prefill of this length sets up what later ones reuse (oneDNN's primitives
             # for the new shapes, SDPA's buffers): it is warm-up, not the figure.
-            for seed in (2, 1):
-                llm.llm_engine.engine_core.reset_prefix_cache()
-                seconds, _ = timed_ttft(llm, conversation_ids(tokenizer, vocab, length, seed=seed), None)
+            llm.llm_engine.engine_core.reset_prefix_cache()
+            timed_ttft(llm, conversation_ids(tokenizer, vocab, length, seed=2), None)
+            seconds, same_minute = prefill_rounds(args, llm, tokenizer, vocab, length, floor, hf_config, dtype, device)
             add(f"prefill {length} tokens", seconds, floor.seconds(length))
+            # The same prefills, each against the matmul rate read just before and after it.
+            add(f"  against the floor of its own minute ({args.prefill_rounds} rounds, median)", seconds,
+                seconds / same_minute)
+            results[f"prefill {length} tokens"]["x_floor_same_minute"] = same_minute
     if adapters:
         adapter_figures(args, llm, hf_config, dtype, floor, add, device)
     del llm
@@ -355,6 +361,28 @@ def interleaved_decode(args, model_dir: str, kwargs: dict, device: str) -> tuple
     return rows, results
 
 
+def prefill_rounds(args, llm: LLM, tokenizer, vocab: int, length: int, floor: Floor, hf_config, dtype: torch.dtype,
+                   device: str) -> tuple[float, float]:
+    """(median seconds, median of each prefill over the floor of its own minute) of
+    --prefill-rounds prefills of `length` fresh tokens, the matmul rate on the model's shapes read
+    before and after each (the faster of the two sets its floor). A prefill's floor is FLOPs over
+    that rate, and this host's rate moves with its neighbours: the run's best reading against a
+    prefill of a slow minute (or the reverse) mixes the host into the engine's figure."""
+    shapes = linear_shapes(hf_config)
+    with floor_clock():
+        before = measured_matmul_flops(shapes, 2048, dtype, device)
+    times, same_minute = [], []
+    for r in range(args.prefill_rounds):
+        llm.llm_engine.engine_core.reset_prefix_cache()
+        seconds, _ = timed_ttft(llm, conversation_ids(tokenizer, vocab, length, seed=1 + r), None)
+        with floor_clock():
+            after = measured_matmul_flops(shapes, 2048, dtype, device)
+        times.append(seconds)
+        same_minute.append(seconds / floor.prefill_seconds([(length, 0)], flops=max(before, after)))
+        before = after
+    return median(times), median(same_minute)
+
+
 def adapter_figures(args, llm: LLM, hf_config, dtype: torch.dtype, floor: Floor, add, device: str) -> None:
     """aLoRA and plain-LoRA time to first token after a base conversation, and decode of a
     batch mixing base, LoRA and aLoRA requests against base only."""
@@ -412,6 +440,8 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64], help="decode-step batch sizes")
     parser.add_argument("--context", type=int, default=2048, help="conversation tokens (adapters figures)")
     parser.add_argument("--prefill-lengths", nargs="+", type=int, default=[2048], help="prefill lengths to time")
+    parser.add_argument("--prefill-rounds", type=int, default=3,
+                        help="prefills timed per length, each between two readings of the matmul rate")
     parser.add_argument("--decode-context", type=int, default=512, help="context of the decode-step batches")
     parser.add_argument("--invocation-len", type=int, default=16)
     parser.add_argument("--rank", type=int, default=16)

@@ -1,11 +1,14 @@
-"""benchmarks/engine_steps.py --interleave on the tiny test Llama: every precision's engine timed in
-turns, each round's ratio to the first precision and to its own minute's floor, and the JSON it writes."""
+"""benchmarks/engine_steps.py on the tiny test Llama: --interleave (every precision's engine timed in
+turns, each round's ratio to the first precision and to its own minute's floor), the prefill against
+the floor of its own minute, and the JSON they write."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 
 def test_interleaved_decode_times_each_precision_every_round(tmp_path):
@@ -34,3 +37,18 @@ def test_interleave_needs_two_precisions():
     cmd = [sys.executable, "-m", "benchmarks.engine_steps", "--tiny", "--precision", "fp32", "--interleave", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--interleave needs two or more --precision values" in result.stderr
+
+
+def test_prefill_is_put_against_the_floor_of_its_own_minute(tmp_path):
+    out = tmp_path / "prefill.json"
+    cmd = [sys.executable, "-m", "benchmarks.engine_steps", "--tiny", "--figures", "prefill", "--prefill-lengths", "64",
+           "--prefill-rounds", "2", "--threads", "1", "--json", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "against the floor of its own minute (2 rounds, median)" in result.stdout
+    figures = json.loads(out.read_text())["default"]
+    prefill = figures["prefill 64 tokens"]
+    assert prefill["ms"] > 0 and prefill["floor_ms"] > 0
+    assert prefill["x_floor_same_minute"] > 0
+    own = figures["  against the floor of its own minute (2 rounds, median)"]
+    assert own["ms"] == prefill["ms"] and own["ms"] / own["floor_ms"] == pytest.approx(prefill["x_floor_same_minute"])

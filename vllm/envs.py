@@ -67,6 +67,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # which CPU engines set to 1 unless the user did (platforms.use_cpu_huge_pages); 0 also keeps
     # the weights and KV cache off the engine's huge-page arenas (vllm/worker/huge_pages.py).
     "THP_MEM_ALLOC_ENABLE": _bool("THP_MEM_ALLOC_ENABLE", default=True),
+    # glibc's own malloc settings, read by glibc at a process's start; CPU engines set both unless the
+    # user set either (platforms.keep_cpu_heap).
+    "MALLOC_MMAP_THRESHOLD_": _str("MALLOC_MMAP_THRESHOLD_"),
+    "MALLOC_TRIM_THRESHOLD_": _str("MALLOC_TRIM_THRESHOLD_"),
     # Test-only fault injection, e.g. "step=3,tokenizer=BOOM" (see vllm/fault_injection.py).
     "VLLM_FAULT_INJECTION": _str("VLLM_FAULT_INJECTION"),
 }

@@ -27,7 +27,8 @@ from vllm.config import (
 )
 from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.logger import init_logger
-from vllm.platforms import checkpoint_dtype, current_platform, default_cpu_threads, resolve_dtype, use_cpu_huge_pages
+from vllm.platforms import (checkpoint_dtype, current_platform, default_cpu_threads, keep_cpu_heap, resolve_dtype,
+                             use_cpu_huge_pages)
 from vllm.sampling_defaults import load_sampling_defaults, parse_json_object
 
 logger = init_logger(__name__)
@@ -139,6 +140,7 @@ class EngineArgs:
         platform = current_platform(self.device)
         if not platform.is_cuda:
             use_cpu_huge_pages()
+            keep_cpu_heap()
         hub = {"cache_dir": self.download_dir, "token": self.hf_token}
         gguf_path = self._gguf_path(platform)
         model_dir = self._resolve_model_dir(resolve_model_dir, hub) if gguf_path is None else os.path.dirname(gguf_path)

@@ -56,8 +56,9 @@
  * Inner loops: with few rows per task (decodes), dot products on the keys in place, kRowTile
  * query rows sharing every load. With many, a chunk of kChunkKeys keys is transposed to
  * [D, keys] (transpose_keys) so that one vector FMA advances W keys of a query row, in register
- * tiles of kLogitRows rows x kLogitVecs vectors of keys; the values' tiles (kValueRows rows x kValueVecs
- * vectors of features) keep their accumulators in registers across the chunk's blocks.
+ * tiles of kLogitRows rows x kLogitVecs vectors of keys (bf16 dot products: kBf16LogitRows x
+ * kBf16LogitVecs); the values' tiles (kValueRows rows x kValueVecs vectors of features) keep their
+ * accumulators in registers across the chunk's blocks.
  */
 
 #include "attention_tiles.h"  // first: it sets the vector width at::vec builds for
@@ -148,7 +149,9 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
   const int32_t* blocks = tables + task.seq * table_stride;
   // Keys read at a time: a chunk of blocks where the keys are transposed, else one block.
   const int64_t chunk = kTranspose ? (kChunkKeys + bs - 1) / bs * bs : bs;
-  const int64_t ldk = (chunk + kLogitVecs * W - 1) / (kLogitVecs * W) * (kLogitVecs * W);  // transposed row length
+  constexpr int kLogitTileRows = kTranspose ? (kDot ? kBf16LogitRows : kLogitRows) : kRowTile;
+  const int64_t tile_keys = (kDot ? kBf16LogitVecs : kLogitVecs) * W;  // keys a logit tile takes at a time
+  const int64_t ldk = (chunk + tile_keys - 1) / tile_keys * tile_keys;     // transposed row length
   const int64_t P = D / 2, chunk_pairs = (chunk + 1) / 2;  // kDot: feature pairs of a row, key pairs of a chunk
 
   // Per-thread scratch, reused by every task (rows: row_of).
@@ -252,7 +255,7 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
         // The block as opmath rows where the inner loops do not read it in place.
         if constexpr (!kReadInPlace<cache_t>) k = rows_as_opmath(block, n, token_stride, D, rows, stride);
       }
-      for_row_tiles<kTranspose ? kLogitRows : kRowTile>(m0, m0 + per_head, [&](auto tile, int64_t m) {
+      for_row_tiles<kLogitTileRows>(m0, m0 + per_head, [&](auto tile, int64_t m) {
         constexpr int R = decltype(tile)::value;
         opmath_t* lp[R];
         const opmath_t* qp[R];

@@ -295,7 +295,7 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
             # for the new shapes, SDPA's buffers): it is warm-up, not the figure.
             llm.llm_engine.engine_core.reset_prefix_cache()
             timed_ttft(llm, conversation_ids(tokenizer, vocab, length, seed=2), None)
-            seconds, same_minute = prefill_rounds(args, llm, tokenizer, vocab, length, floor, hf_config, dtype, device)
+            seconds, same_minute = prefill_rounds(args, llm, tokenizer, vocab, length, floor, dtype, device)
             add(f"prefill {length} tokens", seconds, floor.seconds(length))
             # The same prefills, each against the matmul rate read just before and after it.
             add(f"  against the floor of its own minute ({args.prefill_rounds} rounds, median)", seconds,
@@ -361,14 +361,14 @@ def interleaved_decode(args, model_dir: str, kwargs: dict, device: str) -> tuple
     return rows, results
 
 
-def prefill_rounds(args, llm: LLM, tokenizer, vocab: int, length: int, floor: Floor, hf_config, dtype: torch.dtype,
+def prefill_rounds(args, llm: LLM, tokenizer, vocab: int, length: int, floor: Floor, dtype: torch.dtype,
                    device: str) -> tuple[float, float]:
     """(median seconds, median of each prefill over the floor of its own minute) of
     --prefill-rounds prefills of `length` fresh tokens, the matmul rate on the model's shapes read
     before and after each (the faster of the two sets its floor). A prefill's floor is FLOPs over
     that rate, and this host's rate moves with its neighbours: the run's best reading against a
     prefill of a slow minute (or the reverse) mixes the host into the engine's figure."""
-    shapes = linear_shapes(hf_config)
+    shapes = linear_shapes(floor.hf_config)
     with floor_clock():
         before = measured_matmul_flops(shapes, 2048, dtype, device)
     times, same_minute = [], []

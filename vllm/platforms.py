@@ -86,10 +86,11 @@ def keep_cpu_heap() -> bool:
     time: glibc serves a block of at least its mmap threshold (dynamic, from 128 KB) with a fresh
     mapping that each free unmaps, and a prefill's activations are MBs to tens of MBs a layer. With
     the threshold at 32 MB and the heap's top kept up to 256 MB, a SmolLM2 bf16 2,048-token prefill
-    took 0.98x the time (Zen 4, one thread, alternating runs); the kernel's zeroing of fresh pages
-    had been ~1% of it. Both values also go into glibc's environment variables, which the engine's
-    worker processes read at their start. A value the user set for either wins. Returns whether
-    this process's allocator was set (False: the user's settings, or not glibc)."""
+    took 0.98x the time (Zen 4, one thread, alternating runs); the kernel's zeroing and faulting of
+    fresh pages had been ~1.5% of it. Both values also go into glibc's environment variables, which
+    the engine's worker processes read at their start. A value the user set for either wins. Returns
+    whether this call set this process's allocator (False: the variables were already set, by the
+    user or an earlier call, or this is not glibc)."""
     if envs.MALLOC_MMAP_THRESHOLD_ is not None or envs.MALLOC_TRIM_THRESHOLD_ is not None:
         return False
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(CPU_HEAP_MMAP_THRESHOLD)

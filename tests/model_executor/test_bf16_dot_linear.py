@@ -2,8 +2,8 @@
 CPUs with AVX512-BF16: the float64 product rounded once to bf16 (up to fp32 summation), features
 not a multiple of 32 (masked last step), rows and weight rows not multiples of the 4 x 4 tile,
 bias; a row's output bitwise the same alone, in a batch and on any thread count; bad inputs
-refused; and `dense_linear`'s dispatch: the GEMV up to native_max_rows, this kernel up to
-BF16_DOT_MAX_ROWS, F.linear (oneDNN) beyond. Skipped where the CPU lacks AVX512-BF16."""
+refused; and `dense_linear`'s dispatch: this kernel for every bf16 row up to BF16_DOT_MAX_ROWS
+(native_max_rows leaves the GEMV none), F.linear (oneDNN) beyond. Skipped where the CPU lacks AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -86,12 +86,14 @@ def test_bad_inputs_are_refused():
 
 
 def test_dense_linear_dispatch_on_rows(monkeypatch):
-    """Up to native_max_rows: the GEMV; then this kernel through BF16_DOT_MAX_ROWS; then F.linear."""
+    """Up to native_max_rows (none here: 0) the GEMV; then this kernel through BF16_DOT_MAX_ROWS, a
+    lone decode row included; then F.linear."""
     calls = []
     kernel = d.bf16_dot_linear
     monkeypatch.setattr(d, "bf16_dot_linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     _, weight, b = _inputs(1, 24, 96, seed=5)
     gemv_rows = d.native_max_rows(torch.bfloat16)
+    assert gemv_rows == 0
     for rows in (gemv_rows, gemv_rows + 1, d.BF16_DOT_MAX_ROWS, d.BF16_DOT_MAX_ROWS + 1):
         x = _inputs(rows, 24, 96, seed=rows)[0]
         out = d.dense_linear(x, weight, b)
@@ -104,6 +106,16 @@ def test_dense_linear_dispatch_on_rows(monkeypatch):
     x = _inputs(8, 24, 96, seed=8)[0]
     assert torch.equal(d.dense_linear(x, weight, b), F.linear(x, weight, b))
     assert calls == [gemv_rows + 1, d.BF16_DOT_MAX_ROWS]
+
+
+def test_a_decode_row_gets_the_same_output_alone_or_batched():
+    """One kernel for every bf16 decode batch (no GEMV below 3 rows, whose fp32-lane order rounds
+    differently): a row's output through dense_linear is bitwise the same alone, in a batch of 2
+    or 3, or among 16 (this shape's outputs catch the GEMV's order at 1-2 rows)."""
+    x, weight, b = _inputs(16, 1001, 1030, seed=9)
+    batched = d.dense_linear(x, weight, b)
+    for rows in (slice(0, 1), slice(0, 2), slice(0, 3), slice(5, 6)):
+        assert torch.equal(d.dense_linear(x[rows], weight, b), batched[rows])
 
 
 def test_kernel_is_built_with_a_bf16_model(llama_dir, monkeypatch):

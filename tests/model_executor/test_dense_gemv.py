@@ -172,14 +172,17 @@ def test_bad_inputs_are_refused():
 
 
 def _count_native(monkeypatch) -> list[int]:
+    """Rows of each call dense_linear makes to a native kernel: the GEMV (once uses_native holds)
+    or the vdpbf16ps kernel (once uses_bf16_dot holds)."""
     calls = []
-    real = d._gemv  # what dense_linear calls once uses_native holds
+    for name in ("_gemv", "bf16_dot_linear"):
+        real = getattr(d, name)
 
-    def counting(x, weight, bias):
-        calls.append(x.shape[0])
-        return real(x, weight, bias)
+        def counting(x, weight, bias, real=real):
+            calls.append(x.shape[0])
+            return real(x, weight, bias)
 
-    monkeypatch.setattr(d, "_gemv", counting)
+        monkeypatch.setattr(d, name, counting)
     return calls
 
 
@@ -197,10 +200,11 @@ def test_layers_dispatch_on_rows(dtype, monkeypatch):
     layer = _linear(dtype)
     head = LMHead(101, 48, dtype, CPU)
     head.weight.data.copy_(torch.randn(101, 48))
-    rows = d.native_max_rows(dtype)
-    # bf16 rows past the GEMV's run the vdpbf16ps kernel first where it is built
-    # (test_bf16_dot_linear.py): "many" starts past those.
-    many_rows = d.BF16_DOT_MAX_ROWS + 1 if dtype == torch.bfloat16 and d.bf16_dot_available() else rows + 1
+    # Where the vdpbf16ps kernel is built it takes every bf16 row up to BF16_DOT_MAX_ROWS
+    # (test_bf16_dot_linear.py): one row runs it, "many" starts past those.
+    dot = dtype == torch.bfloat16 and d.bf16_dot_available()
+    rows = 1 if dot else d.native_max_rows(dtype)
+    many_rows = d.BF16_DOT_MAX_ROWS + 1 if dot else rows + 1
     few, many = torch.randn(rows, 48).to(dtype), torch.randn(many_rows, 48).to(dtype)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(layer(few), F.linear(few, layer.weight, layer.bias), **tol)
@@ -238,16 +242,20 @@ def test_widened_bf16_linear_is_the_fp32_product_rounded_once(bias, monkeypatch)
 
 
 def test_native_rows_per_dtype_follow_the_cpu():
-    """16 rows, fewer where oneDNN catches up sooner: fp32 on AVX-512, bf16 where oneDNN has bf16
-    (there the vdpbf16ps kernel takes bf16 rows past 2, in the native decoder layers too)."""
+    """16 rows, fewer where oneDNN catches up sooner: fp32 on AVX-512, bf16 where oneDNN has bf16;
+    where the vdpbf16ps kernel runs it takes every bf16 row up to 16, in the native decoder layers
+    too (layer_rows: dot above 0 rows; -1 where it never runs)."""
     assert d.native_max_rows(torch.float32) == (8 if d.onednn_fp32_preferred() else d.NATIVE_MAX_ROWS)
-    assert d.native_max_rows(torch.bfloat16) == (2 if onednn_packs(torch.bfloat16) else d.NATIVE_MAX_ROWS)
+    bf16_rows = 0 if d.bf16_dot_available() else 2
+    assert d.native_max_rows(torch.bfloat16) == (bf16_rows if onednn_packs(torch.bfloat16) else d.NATIVE_MAX_ROWS)
     fp32, bf16 = torch.empty(4, 4), torch.empty(4, 4, dtype=torch.bfloat16)
-    assert d.layer_rows(fp32) == (d.native_max_rows(torch.float32), 0)
+    assert d.layer_rows(fp32) == (d.native_max_rows(torch.float32), -1)
     if d.bf16_dot_available():
-        assert d.layer_rows(bf16) == (d.NATIVE_MAX_ROWS, d.native_max_rows(torch.bfloat16))
+        assert d.layer_rows(bf16) == (d.NATIVE_MAX_ROWS, 0)
+        x = torch.randn(1, 4).bfloat16()
+        assert not d.uses_native(x, bf16) and d.uses_bf16_dot(x, bf16)  # a lone decode row too
     else:
-        assert d.layer_rows(bf16) == (d.native_max_rows(torch.bfloat16), 0)
+        assert d.layer_rows(bf16) == (d.native_max_rows(torch.bfloat16), -1)
 
 
 @pytest.mark.parametrize("dtype", d.WEIGHT_DTYPES)

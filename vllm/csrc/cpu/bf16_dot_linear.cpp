@@ -20,15 +20,17 @@
  * bf16 [M, N] contiguous. Checked before any work.
  *
  * Tiles: kWRows weight rows x kXRows rows of x, 16 accumulators in the 32 zmm registers, their
- * lanes summed together (sums_of_sixteen); a tile of weight rows (4.6-12 KB on SmolLM2's shapes,
- * 32 KB on Granite-8B's) is read from memory once, by the first group of rows of x, and from L1
- * by the others; the first group asks for the next tile's rows as it goes (a line of each per
- * step: the hardware prefetchers follow a tile's short rows, a few lines each side by side,
- * poorly). With the weights beyond cache that measured 1.4-1.7x faster at 8-16 rows than no
- * software prefetch (A/B in turns), and one tile ahead beat two or four. The asks go into L2
- * (the T2 hint): a T0 ask holds one of L1's few miss buffers until its line arrives, which capped
- * the reads. One Zen 4 thread: 1.3-2x faster cold than T0 asks at 2-16 rows of x; in the engine,
- * bf16 decode at batch 8 (the per-op path) 0.70x the step on SmolLM2, 0.84x on Granite-3.3-2B.
+ * lanes summed together (sums_of_sixteen). A tile's weight rows are not neighbours but lie evenly
+ * apart over the task's rows (vllm_cpu_bits::for_strided_tiles), so each is a sequential stream of
+ * its own, which the hardware prefetchers follow; a tile is read from memory once, by the first
+ * group of rows of x, and from L1 by the others. The first group asks for each stream's next row
+ * as it goes (a line of each per step) into L2 (the T2 hint: a T0 ask holds one of L1's few miss
+ * buffers until its line arrives, which capped the reads). One Zen 4 thread, SmolLM2's 30 layers
+ * beyond cache, alternating in one process: 1.44 / 1.26 / 1.08 / 1.0x the rate of neighbouring
+ * rows with the next tile asked for at 1 / 4 / 8 / 16 rows of x (asking two or three rows ahead:
+ * no better); at 1-2 rows 1.17-1.35x the rate of the fp32-lane GEMV (dense_gemv.cpp), whose
+ * widening and single products cap it even from L2 (~34 GB/s against this kernel's ~48), so every
+ * bf16 row runs here where the CPU has AVX512-BF16 (dense_gemv.py `native_max_rows`).
  * Work split: at::parallel_for over tiles of weight rows, at least ~64 KB of weight per task.
  */
 
@@ -42,7 +44,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 
 #include "bf16_bits.h"
@@ -98,15 +99,15 @@ VLLM_INLINE __m512 sums_of_sixteen(const __m512 (&v)[16]) {
   return add_pairs<_MM_SHUFFLE(2, 0, 2, 0) | (_MM_SHUFFLE(3, 1, 3, 1) << 8)>(x[0], x[1]);
 }
 
-// out rows m0 .. m0 + R - 1, columns n0 .. n0 + C - 1 (R, C <= 4). `ahead`: the first of kWRows
-// weight rows (`ahead_stride` apart: 0 for a weight of fewer rows) the steps ask for, a line of
-// each per step, into L2. _mm_prefetch, not prefetch.h's asm (around which GCC kept the accumulators in
-// memory: 2x slower), and unconditional (GCC may delete a hint under a condition): tiles with
-// nothing to ask for ask for their own rows again.
+// out rows m0 .. m0 + R - 1, columns n0 + c rs for c < C (R, C <= 4). `ahead`: the first of kWRows
+// weight rows (`ahead_stride` apart) the steps ask for, a line of each per step, into L2.
+// _mm_prefetch, not prefetch.h's asm (around which GCC kept the accumulators in memory: 2x slower),
+// and unconditional (GCC may delete a hint under a condition): tiles with nothing to ask for ask
+// for their own rows again.
 template <int R, int C>
 void tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t N, int64_t K,
-          int64_t m0, int64_t n0, const uint16_t* ahead, int64_t ahead_stride) {
-  __m512 acc[16];  // acc[r + 4 c]: the lanes of out[m0 + r, n0 + c] (the sums' lane order)
+          int64_t m0, int64_t n0, int64_t rs, const uint16_t* ahead, int64_t ahead_stride) {
+  __m512 acc[16];  // acc[r + 4 c]: the lanes of out[m0 + r, n0 + c rs] (the sums' lane order)
   #pragma GCC unroll 16
   for (auto& a : acc) a = _mm512_setzero_ps();
   const auto step = [&](int64_t k, auto load) {
@@ -118,7 +119,7 @@ void tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* 
     for (int r = 0; r < R; ++r) xv[r] = load(x + (m0 + r) * K, k);
     #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
-      const __m512bh wv = load(w + (n0 + c) * K, k);
+      const __m512bh wv = load(w + (n0 + c * rs) * K, k);
       #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) acc[r + 4 * c] = _mm512_dpbf16_ps(acc[r + 4 * c], xv[r], wv);
     }
@@ -127,28 +128,46 @@ void tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* 
   for (; k + 2 * kPairs <= K; k += 2 * kPairs)
     step(k, [](const uint16_t* row, int64_t at) { return load_pairs(row, at); });
   if (k < K) step(k, [K](const uint16_t* row, int64_t at) { return load_last_pairs(row, at, K); });
-  __m512 sums = sums_of_sixteen(acc);  // lane 4 r + c: out[m0 + r, n0 + c]
+  __m512 sums = sums_of_sixteen(acc);  // lane 4 r + c: out[m0 + r, n0 + c rs]
   if (bias) {
     alignas(16) float b[4] = {};
     #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) b[c] = vllm_cpu_bits::widen(bias[n0 + c]);
+    for (int c = 0; c < C; ++c) b[c] = vllm_cpu_bits::widen(bias[n0 + c * rs]);
     sums = _mm512_add_ps(sums, _mm512_broadcast_f32x4(_mm_load_ps(b)));
   }
   alignas(32) uint16_t rounded[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(rounded), (__m256i)_mm512_cvtneps_pbh(sums));
   #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n0, rounded + 4 * r, C * sizeof(uint16_t));
+  for (int r = 0; r < R; ++r) {
+    #pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) out[(m0 + r) * N + n0 + c * rs] = rounded[4 * r + c];
+  }
 }
 
-// Every row of x against weight rows n0 .. n0 + C - 1, kXRows rows at a time. The first group
-// reads the weights from memory and asks for the next tile's; the others read L1.
+// Every row of x against weight rows n0 + c rs (c < C), kXRows rows at a time. The first group reads
+// the weights from memory and asks for `ahead`'s rows (ahead_stride apart); the others read L1.
 template <int C>
 void weight_tile(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M, int64_t N,
-                 int64_t K, int64_t n0) {
-  const uint16_t* next = w + std::max<int64_t>(0, std::min(n0 + C, N - kWRows)) * K;
-  const int64_t stride = N >= kWRows ? K : 0;
+                 int64_t K, int64_t n0, int64_t rs, const uint16_t* ahead, int64_t ahead_stride) {
   vllm_cpu_bits::for_row_tiles<kXRows>(M, [&](auto rows, int64_t m) {
-    tile<decltype(rows)::value, C>(x, w, bias, out, N, K, m, n0, m == 0 ? next : w, stride);
+    const bool first = m == 0;
+    tile<decltype(rows)::value, C>(x, w, bias, out, N, K, m, n0, rs, first ? ahead : w + n0 * K,
+                                   first ? ahead_stride : rs * K);
+  });
+}
+
+// Weight rows [n_begin, n_end): strided tiles of kWRows (tile i: rows n_begin + i + j q), each
+// asking for its streams' next rows (tile i + 1's; the last tile its own), then the rows left
+// (fewer than kWRows) as one tile of neighbours, which asks for its first row again (its other
+// asks would pass the weight's end).
+void weight_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M, int64_t N,
+                 int64_t K, int64_t n_begin, int64_t n_end) {
+  const int64_t n = vllm_cpu_bits::for_strided_tiles<kWRows>(n_begin, n_end, [&](auto, int64_t first, int64_t q) {
+    const int64_t next = std::min(first + 1, n_begin + q - 1);
+    weight_tile<kWRows>(x, w, bias, out, M, N, K, first, q, w + next * K, q * K);
+  });
+  vllm_cpu_bits::for_row_tiles<kWRows>(n, n_end, [&](auto rows, int64_t n0) {
+    weight_tile<decltype(rows)::value>(x, w, bias, out, M, N, K, n0, 1, w + n0 * K, 0);
   });
 }
 
@@ -177,9 +196,7 @@ void bf16_dot_linear(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   const int64_t tiles = (N + kWRows - 1) / kWRows;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, kWRows * K * 2));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    vllm_cpu_bits::for_row_tiles<kWRows>(begin * kWRows, std::min(N, end * kWRows), [&](auto rows, int64_t n) {
-      weight_tile<decltype(rows)::value>(xp, wp, bp, op, M, N, K, n);
-    });
+    weight_rows(xp, wp, bp, op, M, N, K, begin * kWRows, std::min(N, end * kWRows));
   });
 }
 

@@ -42,7 +42,7 @@
  * otherwise), its bias (or empty; a sliced linear's whole bias in its first slot), its offsets
  * (GGUF Q4_K) and superblocks (GGUF Q4_K, Q6_K), empty otherwise]; ints = [H, Hkv, D,
  * sliding_window, then per slot its kind (0 dense, 8 int8, 4 int4, -1 unused) and group (dense:
- * the rows above which the vdpbf16ps kernel runs, 0 for never)]; floats = [input eps, post eps,
+ * the rows above which the vdpbf16ps kernel runs, -1 for never)]; floats = [input eps, post eps,
  * attention scale, residual multiplier]. A DecodeStack holds them concatenated, layer after layer.
  * The kernels check their own inputs.
  */
@@ -102,14 +102,14 @@ VLLM_CACHED_OP(silu_mul_op, ActOp, "vllm_act::silu_and_mul")
 
 // The engine's few-row linear (dense_gemv.py's dense_linear / quantization.py's quantized_linear)
 // into `out` [rows, N] in x's dtype: a dense one takes fp32 or bf16 x as it is (more than `group`
-// bf16 rows, where group > 0: the vdpbf16ps kernel, else the GEMV); so does a quantized one
+// bf16 rows, where group >= 0: the vdpbf16ps kernel, else the GEMV); so does a quantized one
 // without a bias (the kernel widens bf16 x and rounds a bf16 out itself); with one, it runs on fp32
 // copies, the bias added before the rounding, as quantized_linear does.
 void linear_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                  const at::Tensor& bias, const at::Tensor& offsets, const at::Tensor& superblocks, int64_t kind,
                  int64_t group) {
   const bool has_bias = bias.defined() && bias.numel() > 0;
-  if (kind == 0 && group > 0 && x.size(0) > group && x.scalar_type() == at::kBFloat16) {
+  if (kind == 0 && group >= 0 && x.size(0) > group && x.scalar_type() == at::kBFloat16) {
     OptTensor b;  // bf16_dot_linear as dense_gemv.py calls it: a bf16 bias
     if (has_bias)
       b = bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() ? bias : bias.to(at::kBFloat16).contiguous();

@@ -64,7 +64,7 @@ def _linear_args(linear, slots: int) -> Optional[tuple[list[torch.Tensor], list[
     it runs natively) for the kernel's `slots` slots of this linear, or None if it does not qualify.
     A quantized linear kept as slices (GGUF slices of mixed formats) fills one slot per slice, its
     bias in the first; unused slots are empty, kind -1. A dense weight's second int is not a group:
-    the rows above which the layer runs the vdpbf16ps kernel instead of the GEMV (0: never), as
+    the rows above which the layer runs the vdpbf16ps kernel instead of the GEMV (-1: never), as
     dense_linear does."""
     if type(linear) is LinearWithLoRA:  # its base layer's product, on steps without adapters
         linear = linear.base_layer

@@ -8,11 +8,12 @@ Semantics (the kernel's header states them in full):
     computes the same in float64.
 
 When it runs (`dense_linear`): on the CPU, for at most `native_max_rows(weight.dtype)` rows of x
-(16; 8 for fp32 on AVX-512 CPUs and 4 for bf16 where oneDNN has bf16, whose matmuls catch up
-sooner), an fp32 or bf16 weight stored plain row-major [N, K] (not oneDNN-packed), once the
-kernel is built, and not under VLLM_USE_TORCH_REFERENCE_OPS. bf16 rows past those, up to
-BF16_DOT_MAX_ROWS, run vllm/csrc/cpu/bf16_dot_linear.cpp where the CPU has AVX512-BF16
-(`uses_bf16_dot`: bf16 x and weight, bf16 products summed in fp32 by vdpbf16ps, bf16 out).
+(16; 8 for fp32 on AVX-512 CPUs, whose oneDNN matmuls catch up sooner; for bf16 none where the
+CPU has AVX512-BF16 and 2 where it has other native bf16), an fp32 or bf16 weight stored plain
+row-major [N, K] (not oneDNN-packed), once the kernel is built, and not under
+VLLM_USE_TORCH_REFERENCE_OPS. bf16 rows past those, up to BF16_DOT_MAX_ROWS, run
+vllm/csrc/cpu/bf16_dot_linear.cpp where the CPU has AVX512-BF16 (`uses_bf16_dot`: bf16 x and
+weight, bf16 products summed in fp32 by vdpbf16ps, bf16 out): there every bf16 decode.
 Wherever the kernel is built, fp32 and bf16 weights stay row-major on the CPU and serve every
 path (platforms.py `use_onednn_linear`). Many rows (prefills) run `many_rows_linear`: fp32 on oneDNN reading the plain weight where the CPU has AVX-512 (MKL's
 sgemm there ran 2.2x slower: it keeps to AVX2 on AMD), F.linear elsewhere (MKL, as fast as oneDNN
@@ -72,10 +73,12 @@ def native_max_rows(dtype: torch.dtype) -> int:
     """Rows of x up to which a `dtype` weight runs the kernel. Measured one thread on an AVX-512
     EPYC with native bf16, a SmolLM2 step's linears against `many_rows_linear` (oneDNN on the
     plain weight): fp32 1.46x / 1.18x faster at 4 / 8 rows, 0.88x / 0.86x at 12 / 16; bf16 1.17x
-    faster at 4 rows, 0.86x at 8, 0.62x at 16, and past 2 rows the vdpbf16ps kernel is faster
-    still (BF16_DOT_MAX_ROWS). NATIVE_MAX_ROWS elsewhere (AVX2: the header)."""
+    faster at 4 rows, 0.86x at 8, 0.62x at 16. Where the vdpbf16ps kernel runs, bf16 takes it at
+    every row count (0 here): its strided tiles read SmolLM2's weights 1.07-1.09x faster than this
+    kernel even at one row (bf16_dot_linear.cpp's header); elsewhere with native bf16, 2.
+    NATIVE_MAX_ROWS elsewhere (AVX2: the header)."""
     if dtype == torch.bfloat16 and not bf16_matmul_emulated():
-        return 2
+        return 0 if bf16_dot_available() else 2
     if dtype == torch.float32 and onednn_fp32_preferred():
         return 8
     return NATIVE_MAX_ROWS
@@ -100,11 +103,11 @@ def bf16_dot_available() -> bool:
 
 def layer_rows(weight: torch.Tensor) -> tuple[int, int]:
     """(rows up to which a native decoder layer runs this dense weight's linear, rows above which
-    it runs the vdpbf16ps kernel rather than the GEMV: 0 for never), as dense_linear dispatches."""
+    it runs the vdpbf16ps kernel rather than the GEMV: -1 for never), as dense_linear dispatches."""
     if weight.dtype == torch.bfloat16 and bf16_dot_available():
         gemv_rows = native_max_rows(weight.dtype)
         return max(gemv_rows, min(BF16_DOT_MAX_ROWS, NATIVE_MAX_ROWS)), gemv_rows
-    return native_max_rows(weight.dtype), 0
+    return native_max_rows(weight.dtype), -1
 
 
 def uses_bf16_dot(x: torch.Tensor, weight: torch.Tensor) -> bool:

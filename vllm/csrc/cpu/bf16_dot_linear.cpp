@@ -28,9 +28,11 @@
  * buffers until its line arrives, which capped the reads). One Zen 4 thread, SmolLM2's 30 layers
  * beyond cache, alternating in one process: 1.44 / 1.26 / 1.08 / 1.0x the rate of neighbouring
  * rows with the next tile asked for at 1 / 4 / 8 / 16 rows of x (asking two or three rows ahead:
- * no better); at 1-2 rows 1.17-1.35x the rate of the fp32-lane GEMV (dense_gemv.cpp), whose
- * widening and single products cap it even from L2 (~34 GB/s against this kernel's ~48), so every
- * bf16 row runs here where the CPU has AVX512-BF16 (dense_gemv.py `native_max_rows`).
+ * no better); at one row 1.03-1.15x the rate of the fp32-lane GEMV (dense_gemv.cpp; 1.18x on two
+ * threads, 1.35x at two rows), whose widening and single products cap it even from L2 (~34 GB/s
+ * against this kernel's ~48), so every bf16 row runs here where the CPU has AVX512-BF16
+ * (dense_gemv.py `native_max_rows`). Granite-3.3-2B's long rows: 1.03-1.07x at one row, 0.90-0.96x
+ * at two (docs/benchmarks.md, "Every bf16 decode on the vdpbf16ps kernel").
  * Work split: at::parallel_for over tiles of weight rows, at least ~64 KB of weight per task.
  */
 

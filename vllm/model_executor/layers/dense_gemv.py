@@ -74,7 +74,7 @@ def native_max_rows(dtype: torch.dtype) -> int:
     EPYC with native bf16, a SmolLM2 step's linears against `many_rows_linear` (oneDNN on the
     plain weight): fp32 1.46x / 1.18x faster at 4 / 8 rows, 0.88x / 0.86x at 12 / 16; bf16 1.17x
     faster at 4 rows, 0.86x at 8, 0.62x at 16. Where the vdpbf16ps kernel runs, bf16 takes it at
-    every row count (0 here): its strided tiles read SmolLM2's weights 1.07-1.09x faster than this
+    every row count (0 here): its strided tiles read SmolLM2's weights 1.03-1.15x faster than this
     kernel even at one row (bf16_dot_linear.cpp's header); elsewhere with native bf16, 2.
     NATIVE_MAX_ROWS elsewhere (AVX2: the header)."""
     if dtype == torch.bfloat16 and not bf16_matmul_emulated():

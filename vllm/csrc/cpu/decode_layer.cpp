@@ -22,7 +22,7 @@
  *   with m the residual multiplier (Granite's; the product is skipped where m = 1, as in Python)
  *   returns (out, o): the next layer's hidden state and residual.
  *   linear(x, W) is the engine's few-row linear: dense (the GEMV on x in the model dtype, fp32 sums;
- *   past a few bf16 rows the vdpbf16ps kernel where the CPU has it, as dense_gemv.py dispatches)
+ *   bf16 on the vdpbf16ps kernel where the CPU has it, every row there, as dense_gemv.py dispatches)
  *   or int8 / int4 (quantization.py's quantized_linear, GGUF Q4_K's offsets included), bias
  *   included.
  *

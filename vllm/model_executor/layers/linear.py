@@ -145,7 +145,7 @@ class Linear(nn.Module):
             return out if bias is None else out.add_(bias)
         if self._packed is not None:
             return onednn_linear(x, self._packed, bias)
-        return dense_linear(x, self.weight, bias)  # few rows on the CPU: the native GEMV
+        return dense_linear(x, self.weight, bias)  # few rows on the CPU: the native kernels
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from `forward_local`'s (the identity unless row-parallel)."""

@@ -173,7 +173,7 @@ class LMHead(nn.Module):
         elif self._packed is not None:
             logits = onednn_linear(hidden_states, self._packed, None)
         else:
-            logits = dense_linear(hidden_states, self.weight)  # few rows on the CPU: the native GEMV
+            logits = dense_linear(hidden_states, self.weight)  # few rows on the CPU: the native kernels
         if not self.sharded:
             return logits
         return all_gather(logits, dim=-1)[:, : self.vocab_size]  # [N, vocab_size]

@@ -87,13 +87,18 @@ inline const opmath_t* rows_as_opmath(const scalar_t* src, int64_t n, int64_t st
 
 // The rows of a block further on, asked for one row per key the inner loops compute rather
 // than a block at once: a burst of prefetches stalls on the core's few miss buffers (it was half
-// of a decode's time outside the arithmetic).
+// of a decode's time outside the arithmetic). Into L1 (prefetch_line) or, with to_l2, into L2
+// only (prefetch_to_l2).
 struct Ahead {
   const char* rows = nullptr;            // row 0, or nullptr for none
   int64_t n = 0, stride = 0, bytes = 0;  // rows; bytes from one row to the next; bytes to ask for per row
+  bool to_l2 = false;
   void ask(int64_t t) const {
-    if (t < n)
-      for (int64_t b = 0; b < bytes; b += 64) vllm_cpu_bits::prefetch_line(rows + t * stride + b);
+    if (t >= n) return;
+    for (int64_t b = 0; b < bytes; b += 64) {
+      if (to_l2) vllm_cpu_bits::prefetch_to_l2(rows + t * stride + b);
+      else vllm_cpu_bits::prefetch_line(rows + t * stride + b);
+    }
   }
 };
 

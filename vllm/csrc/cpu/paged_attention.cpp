@@ -88,21 +88,25 @@ namespace {
 using namespace vllm_attention_tasks;
 using namespace vllm_attention_tiles;
 
-// How many blocks ahead of the one being read a task asks for its rows. The blocks are scattered
-// and a head's rows strided (Hkv * D apart), which the hardware prefetchers follow poorly
-// (decodes took 2x as long without the asks); one block ahead measured best on Zen 3 (two: 5-10%
-// slower, four: 15-20%, where a task's block of every head already fills much of L1).
-// The asks fill L1 (prefetch_line). Asks into L2 only (prefetch_to_l2) read cold scattered blocks
-// 25-35% faster in benchmarks/cpu_attention.py, but in the engine, whose blocks the hardware
-// prefetchers mostly bring into L2 already, they measured the same (SmolLM2) to 46% slower
-// (Granite-3.3-2B, 512 tokens, fp32 cache, one Zen 3 thread).
+// How many blocks ahead of the one being read the many-row path (keys transposed) asks for its rows
+// into L1 (prefetch_line). The blocks are scattered and a head's rows strided (Hkv * D apart), which
+// the hardware prefetchers follow poorly (decodes took 2x as long without any asks); one block ahead
+// measured best on Zen 3 (two: 5-10% slower, four: 15-20%, where a task's block of every head already
+// fills much of L1). Decodes took these asks too until asks into L2 two blocks ahead replaced them
+// (kFarBlocks, measured on Zen 4 only): on Zen 3, L2 asks one block ahead had read cold scattered
+// blocks 25-35% faster in benchmarks/cpu_attention.py but measured the same (SmolLM2) to 46% slower
+// (Granite-3.3-2B, 512 tokens, fp32 cache, one thread) in the engine.
 constexpr int64_t kPrefetchBlocks = 1;
-// How many blocks ahead a task also asks for a block into L2 (prefetch_to_l2: no L1 miss buffer held),
-// all of it at once, where that block does not follow the current one in memory (a long-running
-// cache's scattered blocks, which no hardware prefetcher foresees; consecutive blocks it streams, and
-// asks there measured no faster). Zen 4, one thread, caches cold, blocks shuffled, alternating in one
-// process: decodes 0.70-0.82x the time (SmolLM2's 9/3 heads of 64), 0.84-0.94x (Granite-3.3-2B's
-// 32/8, bf16); blocks consecutive 0.94-1.05x.
+// How many blocks ahead a task asks for a block into L2 (prefetch_to_l2: no L1 miss buffer held).
+// Keys read in place (decodes): a row per key the inner loops compute, consecutive blocks or not, and
+// no L1 asks: with the L1 asks one block ahead on top, those loops spent a fifth of their time warm
+// on the asks, and read cold blocks slower (Zen 4, one thread, alternating in one process: without
+// them 0.84-0.94x the time of a lone decode's attention at 1,024 keys, bf16 and fp32 caches, 9/3 and
+// 32/8 heads, blocks shuffled or consecutive; the engine's SmolLM2 int4 / bf16 decode steps at 1,536
+// tokens 0.88x / 0.93x, Granite-3.3-2B's 0.97x). The many-row path: all of the block at once, where
+// it does not follow the current one in memory (a long-running cache's scattered blocks, which no
+// hardware prefetcher foresees). With in-place reads that burst measured 0.70-0.82x the time of no
+// L2 asks (SmolLM2's heads, blocks shuffled; 0.84-0.94x Granite-3.3-2B's).
 constexpr int64_t kFarBlocks = 2;
 // Keys the many-row path transposes, and reads values of, at a time (rounded up to whole
 // blocks): the inner loops keep their accumulators in registers across a chunk's blocks, and a
@@ -185,12 +189,13 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
 
   // The rows from key k0 + start on of KV head `head` in `cache` (k_cache or v_cache: one block,
   // as k0 is a multiple of bs, rows token_stride apart). `next` gets what the inner loops ask for,
-  // a row's worth per key, from the block kPrefetchBlocks further on: where the task has every
-  // head, that block is read whole, so each head asks for its share of it in address order (the
-  // whole block, past the context's last key too); else this head's own rows, token_stride
-  // apart. The address-order asks measured 1.2-1.3x faster cold than each head asking for its
-  // rows (Zen 3, 8 KV heads), which the hardware prefetchers do not follow. The block kFarBlocks on,
-  // where it is not the next in memory, is asked into L2 here, each head its share at once.
+  // a row's worth per key: read in place, from the block kFarBlocks further on into L2; transposed,
+  // from the block kPrefetchBlocks further on into L1, the block kFarBlocks on, where it is not the
+  // next in memory, asked into L2 here, each head its share at once. Where the task has every head,
+  // a block is read whole, so each head asks for its share of it in address order (the whole block,
+  // past the context's last key too); else this head's own rows, token_stride apart. The
+  // address-order asks measured 1.2-1.3x faster cold than each head asking for its rows (Zen 3, 8 KV
+  // heads), which the hardware prefetchers do not follow.
   const bool whole_rows = task.kv1 - task.kv == Hkv;
   // The cache in the order the task reads it: its keys, then its values, then its run's next key
   // range (which a thread running consecutive tasks mostly reads next). `later(cache, start + d)`
@@ -205,15 +210,22 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
     if (pos >= limit) return {nullptr, 0};
     return {cache + blocks[(task.k0 + pos) / bs] * block_stride, std::min(bs, limit - pos)};
   };
+  // Head `head`'s rows of the block `pos` keys after key k0 of `cache` (later's), as an Ahead.
+  auto rows_at = [&](const cache_t* cache, int64_t head, int64_t pos, bool to_l2) {
+    const auto [block, rows] = later(cache, pos);
+    if (!block) return Ahead{};
+    const char* bytes = reinterpret_cast<const char*>(block);
+    return whole_rows ? Ahead{bytes + head * bs * row_bytes, bs, row_bytes, row_bytes, to_l2}
+                      : Ahead{bytes + head * row_bytes, rows, token_stride * static_cast<int64_t>(sizeof(cache_t)),
+                              row_bytes, to_l2};
+  };
   auto block_at = [&](const cache_t* cache, int64_t head, int64_t start, Ahead& next) {
     const int64_t key = task.k0 + start;
-    next = Ahead{};
-    if (const auto [block, rows] = later(cache, start + ahead); block) {
-      const char* bytes = reinterpret_cast<const char*>(block);
-      next = whole_rows ? Ahead{bytes + head * bs * row_bytes, bs, row_bytes, row_bytes}
-                        : Ahead{bytes + head * row_bytes, rows, token_stride * static_cast<int64_t>(sizeof(cache_t)),
-                                row_bytes};
+    if constexpr (!kTranspose) {  // in place: the block `far` on, into L2, a row per key
+      next = rows_at(cache, head, start + far, true);
+      return cache + blocks[key / bs] * block_stride + head * D;
     }
+    next = rows_at(cache, head, start + ahead, false);
     const auto [far_block, far_rows] = later(cache, start + far);
     if (far_block && far_block != cache + (blocks[key / bs] + kFarBlocks) * block_stride) {
       const char* block = reinterpret_cast<const char*>(far_block);

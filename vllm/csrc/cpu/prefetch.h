@@ -8,12 +8,13 @@
  * whatever p points to, and changes no value.
  *   prefetch_line   into every cache level (x86's T0 hint): for lines needed soon that the
  *                   hardware prefetchers mostly bring into L2 already (the attention kernel's
- *                   blocks: its loads then find them in L1).
+ *                   next block where it transposes keys: its loads then find them in L1).
  *   prefetch_to_l2  into L2 and beyond, not L1 (the T2 hint): for streams the hardware
  *                   prefetchers do not follow, so each line comes from memory. A T0 ask holds
  *                   one of L1's few miss buffers until the line arrives, which caps a core's
  *                   reads from memory; an L2 ask does not (Zen 3: scattered 12 KB blocks read
- *                   at 12 GB/s with T0 asks one block ahead, 20-24 GB/s with T2).
+ *                   at 12 GB/s with T0 asks one block ahead, 20-24 GB/s with T2). A decode's
+ *                   attention asks this way alone (Zen 4: the T0 asks on top cost it time).
  */
 
 #pragma once

@@ -210,9 +210,9 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
     if (pos >= limit) return {nullptr, 0};
     return {cache + blocks[(task.k0 + pos) / bs] * block_stride, std::min(bs, limit - pos)};
   };
-  // Head `head`'s rows of the block `pos` keys after key k0 of `cache` (later's), as an Ahead.
-  auto rows_at = [&](const cache_t* cache, int64_t head, int64_t pos, bool to_l2) {
-    const auto [block, rows] = later(cache, pos);
+  // Head `head`'s rows of `at` (a block and how many of its rows exist: later's), as an Ahead.
+  auto rows_of = [&](std::pair<const cache_t*, int64_t> at, int64_t head, bool to_l2) {
+    const auto [block, rows] = at;
     if (!block) return Ahead{};
     const char* bytes = reinterpret_cast<const char*>(block);
     return whole_rows ? Ahead{bytes + head * bs * row_bytes, bs, row_bytes, row_bytes, to_l2}
@@ -220,23 +220,18 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
                               row_bytes, to_l2};
   };
   auto block_at = [&](const cache_t* cache, int64_t head, int64_t start, Ahead& next) {
-    const int64_t key = task.k0 + start;
+    const cache_t* here = cache + blocks[(task.k0 + start) / bs] * block_stride;
     if constexpr (!kTranspose) {  // in place: the block `far` on, into L2, a row per key
-      next = rows_at(cache, head, start + far, true);
-      return cache + blocks[key / bs] * block_stride + head * D;
+      next = rows_of(later(cache, start + far), head, true);
+      return here + head * D;
     }
-    next = rows_at(cache, head, start + ahead, false);
-    const auto [far_block, far_rows] = later(cache, start + far);
-    if (far_block && far_block != cache + (blocks[key / bs] + kFarBlocks) * block_stride) {
-      const char* block = reinterpret_cast<const char*>(far_block);
-      const int64_t rows = whole_rows ? 1 : far_rows;  // whole rows: one run of bs of them
-      const int64_t run = whole_rows ? bs * row_bytes : row_bytes;
-      const char* first = block + head * (whole_rows ? bs * row_bytes : row_bytes);
-      for (int64_t t = 0; t < rows; ++t)
-        for (int64_t b = 0; b < run; b += 64)
-          vllm_cpu_bits::prefetch_to_l2(first + t * token_stride * static_cast<int64_t>(sizeof(cache_t)) + b);
+    next = rows_of(later(cache, start + ahead), head, false);
+    const auto far_at = later(cache, start + far);
+    if (far_at.first && far_at.first != here + kFarBlocks * block_stride) {
+      const Ahead burst = rows_of(far_at, head, true);
+      for (int64_t t = 0; t < burst.n; ++t) burst.ask(t);
     }
-    return cache + blocks[key / bs] * block_stride + head * D;
+    return here + head * D;
   };
   // Pass 1: logits of the task's keys, one chunk at a time.
   for (int64_t start = 0; start < span; start += chunk) {

@@ -15,8 +15,9 @@
  *
  * Layout: a bf16 row of D features is read as D/2 uint32 "pairs" (features 2i, 2i + 1 in the low
  * and high halves). A prompt's keys are transposed by pair, [D/2, keys], a decode's read in place;
- * values are interleaved by key pair, [keys/2, D] (value rows 2i and 2i + 1 side by side, feature
- * by feature; a decode's in registers); probabilities are packed by key pair. Needs D % 32 == 0
+ * values are paired by key pair, [keys/2, D] (value rows 2i and 2i + 1 side by side by in-lane
+ * unpacks, whose feature order the sums keep until bf16_unpermute_values; a decode's in registers);
+ * probabilities are packed by key pair. Needs D % 32 == 0
  * (bf16_dot_head_size). Measured on Zen 4, one thread, hot: bf16 decodes 0.77-0.88x the time of
  * the fp32 tiles at 4-7 query heads per KV head, the same at 3 (SmolLM2's 9/3).
  */
@@ -45,12 +46,29 @@ constexpr bool kHasBf16Dot = true;
 
 using vllm_cpu_bits::as_bf16_pairs;
 
-// vpermt2w indices that interleave two bf16 rows feature by feature: output lane k takes feature k/2
-// (+16 for the high half) of the first (k even) or second row (32 + i picks the second operand's lane i).
-alignas(64) inline constexpr uint16_t kPairLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
-                                                      8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-alignas(64) inline constexpr uint16_t kPairHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+// Value rows are paired by in-lane unpacks (vpunpck{l,h}wd of two rows' 32 features: within each
+// 128-bit lane L, features 8 L .. 8 L + 3 of both rows side by side, then 8 L + 4 .. 8 L + 7), so the
+// value tiles' sums come out in the "unpacked order": of each 32 features, position 16 s + 4 L + i
+// holds feature 8 L + 4 s + i. bf16_unpermute_values puts a row back in order once its sums are
+// done. The same sums, feature by feature, as pairing the rows in feature order (which took a
+// cross-lane vpermt2w per 16 pairs): a decode's attention took 0.91-0.96x the time with SmolLM2's
+// 9/3 heads, the same within the runs' spread with Granite-3.3-2B's 32/8 (Zen 4, one thread).
+
+// vpermt2ps indices that put 32 features in the unpacked order back in feature order:
+// output k < 16 takes position kUnpackedLow[k] of the 32, output 16 + k position kUnpackedHigh[k].
+alignas(64) inline constexpr uint32_t kUnpackedLow[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+alignas(64) inline constexpr uint32_t kUnpackedHigh[16] = {8,  9,  10, 11, 24, 25, 26, 27,
+                                                           12, 13, 14, 15, 28, 29, 30, 31};
+
+// row[0:D] (D % 32 == 0) in feature order, from the unpacked order.
+inline void bf16_unpermute_values(float* row, int64_t D) {
+  const __m512i low = _mm512_load_si512(kUnpackedLow), high = _mm512_load_si512(kUnpackedHigh);
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512 a = _mm512_loadu_ps(row + d), b = _mm512_loadu_ps(row + d + 16);
+    _mm512_storeu_ps(row + d, _mm512_permutex2var_ps(a, low, b));
+    _mm512_storeu_ps(row + d + 16, _mm512_permutex2var_ps(a, high, b));
+  }
+}
 
 // logits[r][t] = scale * <q[r], k_t> for t < n and the R rows of a tile. q2[r]: row r's P = D/2
 // feature pairs; kt2 [P, ldk]: the keys' pairs transposed (column t = key t; ldk >= n rounded up
@@ -122,7 +140,8 @@ inline void bf16_row_logits(float* const* logits, const uint32_t* const* q2, con
 
 // acc[r][0:D] += sum over key pairs i < pairs of the two keys' p[r] * v, for the R rows of a tile.
 // p2[r]: row r's probabilities packed by key pair; vt2 [pairs, D]: the value rows interleaved by
-// key pair. Four vectors of each row's acc stay in registers across all the pairs.
+// key pair (bf16_interleave_values); acc's features in the unpacked order. Four vectors of each
+// row's acc stay in registers across all the pairs.
 template <int R>
 inline void bf16_block_values(float* const* acc, const uint32_t* const* p2, const uint32_t* vt2, int64_t pairs,
                               int64_t D) {
@@ -173,12 +192,12 @@ inline void bf16_pack_pairs(const float* p, int64_t n, uint32_t* out) {
 // rows + t * stride (bf16 as stored) and p2[r] row r's probabilities packed by key pair: the same
 // arithmetic as bf16_block_values, each pair of value rows interleaved in registers as it is read
 // (a decode's few rows would not repay writing the interleaved values out). NV vectors of features
-// (64 or the last 32) a pass, their accumulators in registers across the rows.
+// (64 or the last 32) a pass, their accumulators in registers across the rows; acc's features in the
+// unpacked order.
 template <int R, int NV>
 inline void bf16_row_values_part(float* const* acc, const uint32_t* const* p2, const c10::BFloat16* rows,
                                  int64_t stride, int64_t n, int64_t d, const Ahead& ahead) {
   constexpr int64_t W = 16;
-  const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
   __m512 a[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc[r] + d + j * W);
@@ -193,8 +212,8 @@ inline void bf16_row_values_part(float* const* acc, const uint32_t* const* p2, c
     for (int h = 0; h < NV / 2; ++h) {  // 32 features of both rows
       const __m512i x = _mm512_loadu_si512(even + d + 2 * h * W);
       const __m512i y = odd ? _mm512_loadu_si512(even + stride + d + 2 * h * W) : _mm512_setzero_si512();
-      v[2 * h] = as_bf16_pairs(_mm512_permutex2var_epi16(x, low, y));
-      v[2 * h + 1] = as_bf16_pairs(_mm512_permutex2var_epi16(x, high, y));
+      v[2 * h] = as_bf16_pairs(_mm512_unpacklo_epi16(x, y));
+      v[2 * h + 1] = as_bf16_pairs(_mm512_unpackhi_epi16(x, y));
     }
     for (int r = 0; r < R; ++r) {
       const __m512bh pp = as_bf16_pairs(_mm512_set1_epi32(static_cast<int>(p2[r][i])));
@@ -214,11 +233,10 @@ inline void bf16_row_values(float* const* acc, const uint32_t* const* p2, const 
   if (d < D) bf16_row_values_part<R, 2>(acc, p2, rows, stride, n, d, ahead);
 }
 
-// vt2[i] [D] = value rows 2i and 2i + 1 (row(t): key t's D bf16 values) interleaved feature by
-// feature, for i < ceil(n/2); an odd last row is paired with zeros.
+// vt2[i] [D] = value rows 2i and 2i + 1 (row(t): key t's D bf16 values) paired by in-lane unpacks
+// (the pairs in the unpacked order), for i < ceil(n/2); an odd last row is paired with zeros.
 template <typename RowOf>
 inline void bf16_interleave_values(const RowOf& row, int64_t n, int64_t D, uint32_t* vt2) {
-  const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
   for (int64_t i = 0; 2 * i < n; ++i) {
     const uint16_t* even = row(2 * i);
     const uint16_t* odd = 2 * i + 1 < n ? row(2 * i + 1) : nullptr;
@@ -226,8 +244,8 @@ inline void bf16_interleave_values(const RowOf& row, int64_t n, int64_t D, uint3
     for (int64_t d = 0; d < D; d += 32) {
       const __m512i a = _mm512_loadu_si512(even + d);
       const __m512i b = odd ? _mm512_loadu_si512(odd + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, low, b));
-      _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, high, b));
+      _mm512_storeu_si512(dst + d, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(dst + d + 16, _mm512_unpackhi_epi16(a, b));
     }
   }
 }
@@ -247,6 +265,7 @@ template <int R>
 void bf16_row_logits(float* const* logits, const uint32_t* const* q2, const c10::BFloat16* rows, int64_t stride,
                      int64_t n, int64_t P, float scale, const Ahead& ahead);
 void bf16_pack_pairs(const float* p, int64_t n, uint32_t* out);
+void bf16_unpermute_values(float* row, int64_t D);
 template <typename RowOf>
 void bf16_interleave_values(const RowOf& row, int64_t n, int64_t D, uint32_t* vt2);
 #endif

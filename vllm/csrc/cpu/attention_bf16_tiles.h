@@ -17,9 +17,9 @@
  * and high halves). A prompt's keys are transposed by pair, [D/2, keys], a decode's read in place;
  * values are paired by key pair, [keys/2, D] (value rows 2i and 2i + 1 side by side by in-lane
  * unpacks, whose feature order the sums keep until bf16_unpermute_values; a decode's in registers);
- * probabilities are packed by key pair. Needs D % 32 == 0
- * (bf16_dot_head_size). Measured on Zen 4, one thread, hot: bf16 decodes 0.77-0.88x the time of
- * the fp32 tiles at 4-7 query heads per KV head, the same at 3 (SmolLM2's 9/3).
+ * probabilities are packed by key pair. Needs D % 32 == 0 (bf16_dot_head_size). Measured on Zen 4,
+ * one thread, hot: bf16 decodes 0.77-0.88x the time of the fp32 tiles at 4-7 query heads per KV
+ * head, the same at 3 (SmolLM2's 9/3).
  */
 
 #pragma once

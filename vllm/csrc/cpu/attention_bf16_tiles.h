@@ -16,7 +16,7 @@
  * Layout: a bf16 row of D features is read as D/2 uint32 "pairs" (features 2i, 2i + 1 in the low
  * and high halves). A prompt's keys are transposed by pair, [D/2, keys], a decode's read in place;
  * values are paired by key pair, [keys/2, D] (value rows 2i and 2i + 1 side by side by in-lane
- * unpacks, whose feature order the sums keep until bf16_unpermute_values; a decode's in registers);
+ * unpacks, whose feature order the sums keep until unpermute_values; a decode's in registers);
  * probabilities are packed by key pair. Needs D % 32 == 0 (bf16_dot_head_size). Measured on Zen 4,
  * one thread, hot: bf16 decodes 0.77-0.88x the time of the fp32 tiles at 4-7 query heads per KV
  * head, the same at 3 (SmolLM2's 9/3).
@@ -46,29 +46,12 @@ constexpr bool kHasBf16Dot = true;
 
 using vllm_cpu_bits::as_bf16_pairs;
 
-// Value rows are paired by in-lane unpacks (vpunpck{l,h}wd of two rows' 32 features: within each
-// 128-bit lane L, features 8 L .. 8 L + 3 of both rows side by side, then 8 L + 4 .. 8 L + 7), so the
-// value tiles' sums come out in the "unpacked order": of each 32 features, position 16 s + 4 L + i
-// holds feature 8 L + 4 s + i. bf16_unpermute_values puts a row back in order once its sums are
-// done. The same sums, feature by feature, as pairing the rows in feature order (which took a
-// cross-lane vpermt2w per 16 pairs): a decode's attention took 0.91-0.96x the time with SmolLM2's
-// 9/3 heads, the same within the runs' spread with Granite-3.3-2B's 32/8 (Zen 4, one thread).
-
-// vpermt2ps indices that put 32 features in the unpacked order back in feature order:
-// output k < 16 takes position kUnpackedLow[k] of the 32, output 16 + k position kUnpackedHigh[k].
-alignas(64) inline constexpr uint32_t kUnpackedLow[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-alignas(64) inline constexpr uint32_t kUnpackedHigh[16] = {8,  9,  10, 11, 24, 25, 26, 27,
-                                                           12, 13, 14, 15, 28, 29, 30, 31};
-
-// row[0:D] (D % 32 == 0) in feature order, from the unpacked order.
-inline void bf16_unpermute_values(float* row, int64_t D) {
-  const __m512i low = _mm512_load_si512(kUnpackedLow), high = _mm512_load_si512(kUnpackedHigh);
-  for (int64_t d = 0; d < D; d += 32) {
-    const __m512 a = _mm512_loadu_ps(row + d), b = _mm512_loadu_ps(row + d + 16);
-    _mm512_storeu_ps(row + d, _mm512_permutex2var_ps(a, low, b));
-    _mm512_storeu_ps(row + d + 16, _mm512_permutex2var_ps(a, high, b));
-  }
-}
+// Value rows are paired by in-lane unpacks (vpunpck{l,h}wd of two rows' 32 features), so the value
+// tiles' sums come out in the unpacked order of attention_tiles.h (values_unpacked), which
+// unpermute_values puts back once a row's sums are done. The same sums, feature by feature, as
+// pairing the rows in feature order (which took a cross-lane vpermt2w per 16 pairs): a decode's
+// attention took 0.91-0.96x the time with SmolLM2's 9/3 heads, the same within the runs' spread with
+// Granite-3.3-2B's 32/8 (Zen 4, one thread).
 
 // logits[r][t] = scale * <q[r], k_t> for t < n and the R rows of a tile. q2[r]: row r's P = D/2
 // feature pairs; kt2 [P, ldk]: the keys' pairs transposed (column t = key t; ldk >= n rounded up
@@ -265,7 +248,6 @@ template <int R>
 void bf16_row_logits(float* const* logits, const uint32_t* const* q2, const c10::BFloat16* rows, int64_t stride,
                      int64_t n, int64_t P, float scale, const Ahead& ahead);
 void bf16_pack_pairs(const float* p, int64_t n, uint32_t* out);
-void bf16_unpermute_values(float* row, int64_t D);
 template <typename RowOf>
 void bf16_interleave_values(const RowOf& row, int64_t n, int64_t D, uint32_t* vt2);
 #endif

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -135,6 +136,47 @@ inline at::vec::Vectorized<float> load_row(const c10::BFloat16* p, int64_t w) {
 template <typename scalar_t>
 constexpr bool kReadInPlace =
     std::is_same_v<scalar_t, at::opmath_type<scalar_t>> || std::is_same_v<scalar_t, c10::BFloat16>;
+
+// The value sums' "unpacked order", where bf16 value rows are widened (here) or paired
+// (attention_bf16_tiles.h) by in-lane unpacks (vpunpck{l,h}wd: of each 128-bit lane L, its words 0-3,
+// then 4-7): of each 32 features, position 16 s + 4 L + i holds feature 8 L + 4 s + i. One in-lane
+// op per 16 features where widening in feature order took two (vpmovzxwd across lanes, then a
+// shift); each feature's sum is the same sequence of multiply-adds, only held in another lane, and
+// a row goes back to feature order once its sums are done (unpermute_values). On AVX-512, for bf16
+// caches of head sizes D % 32 == 0.
+template <typename S>
+constexpr bool kUnpackedValues =
+#if defined(CPU_CAPABILITY_AVX512)
+    std::is_same_v<S, c10::BFloat16>;
+#else
+    false;
+#endif
+
+template <typename S>
+inline bool values_unpacked(int64_t D) {
+  return kUnpackedValues<S> && D % 32 == 0;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// vpermt2ps indices that put 32 features in the unpacked order back in feature order:
+// output k < 16 takes position kUnpackedLow[k] of the 32, output 16 + k position kUnpackedHigh[k].
+alignas(64) inline constexpr uint32_t kUnpackedLow[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+alignas(64) inline constexpr uint32_t kUnpackedHigh[16] = {8,  9,  10, 11, 24, 25, 26, 27,
+                                                           12, 13, 14, 15, 28, 29, 30, 31};
+
+// row[0:D] (D % 32 == 0) in feature order, from the unpacked order.
+inline void unpermute_values(float* row, int64_t D) {
+  const __m512i low = _mm512_load_si512(kUnpackedLow), high = _mm512_load_si512(kUnpackedHigh);
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512 a = _mm512_loadu_ps(row + d), b = _mm512_loadu_ps(row + d + 16);
+    _mm512_storeu_ps(row + d, _mm512_permutex2var_ps(a, low, b));
+    _mm512_storeu_ps(row + d + 16, _mm512_permutex2var_ps(a, high, b));
+  }
+}
+#else
+// Declared only, for `if constexpr (kUnpackedValues<S>)` branches to name: never called.
+void unpermute_values(float* row, int64_t D);
+#endif
 
 #if defined(CPU_CAPABILITY_AVX2)
 // out[j] = column j of the 8 x 8 tile in[0..7] (rows): unpack pairs, then quads, then halves.
@@ -346,12 +388,58 @@ inline void row_logits(T* const* logits, const T* const* q, const S* rows, int64
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// block_values over features d .. d + 16 NV - 1 (NV = 4 or 2) of bf16 value rows, each 32 of a row
+// widened by two in-lane unpacks against zero (its bits in the high halves: exactly the fp32
+// values), so acc holds them in the unpacked order (kUnpackedValues); the same multiply-adds per
+// feature as block_values' own loop.
+template <int R, int NV>
+inline void unpacked_values_part(float* const* acc, const float* const* p, const c10::BFloat16* const* blocks,
+                                 int64_t bs, int64_t stride, int64_t n, int64_t d, const Ahead& ahead) {
+  constexpr int64_t W = 16;
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc[r] + d + j * W);
+  for (int64_t b = 0; b * bs < n; ++b) {
+    const c10::BFloat16* rows = blocks[b] + d;
+    const int64_t t0 = b * bs, nb = std::min(bs, n - t0);
+    for (int64_t t = 0; t < nb; ++t) {
+      if (d == 0) ahead.ask(t0 + t);
+      for (int h = 0; h < NV / 2; ++h) {  // 32 features: two vectors, each used by every row at once
+        const __m512i bits = _mm512_loadu_si512(rows + t * stride + 2 * h * W);
+        const __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, bits));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, bits));
+        for (int r = 0; r < R; ++r) {
+          const __m512 pt = _mm512_set1_ps(p[r][t0 + t]);
+          a[r][2 * h] = _mm512_fmadd_ps(pt, lo, a[r][2 * h]);
+          a[r][2 * h + 1] = _mm512_fmadd_ps(pt, hi, a[r][2 * h + 1]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc[r] + d + j * W, a[r][j]);
+}
+#endif
+
 // acc[r][0:D] += sum over t < n of p[r][t] * v_t for the R rows of a tile, where value row t is
 // blocks[t / bs] + (t % bs) * stride (a chunk of blocks, or one). kValueVecs vectors of each
-// row's acc stay in registers across all n value rows.
+// row's acc stay in registers across all n value rows. Where values_unpacked<S>(D), acc's features
+// are in the unpacked order.
 template <int R, typename T, typename S>
 inline void block_values(T* const* acc, const T* const* p, const S* const* blocks, int64_t bs, int64_t stride,
                          int64_t n, int64_t D, const Ahead& ahead) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float> && kUnpackedValues<S>) {
+    if (values_unpacked<S>(D)) {
+      int64_t d = 0;
+      for (; d + 64 <= D; d += 64) unpacked_values_part<R, 4>(acc, p, blocks, bs, stride, n, d, ahead);
+      if (d < D) unpacked_values_part<R, 2>(acc, p, blocks, bs, stride, n, d, ahead);
+      return;
+    }
+  }
+#endif
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   constexpr int NV = kValueVecs;

@@ -352,8 +352,9 @@ void partial_attention(const Task& task, const scalar_t* q_base, int64_t q_s0, i
       });
     }
   }
-  if constexpr (kDot)  // the bf16 value tiles' sums are in the unpacked feature order
-    for (int64_t m = 0; m < M; ++m) bf16_unpermute_values(part_rows + m * (D + 2), D);
+  if constexpr (kUnpackedValues<cache_t>)  // the value tiles' sums are in the unpacked feature order
+    if (values_unpacked<cache_t>(D))
+      for (int64_t m = 0; m < M; ++m) unpermute_values(part_rows + m * (D + 2), D);
 }
 
 // out rows of a group: its tasks' partials merged in key order,

@@ -18,11 +18,13 @@ precision a bf16 cache (and its floor). A quantized model's weight bytes are its
 linears plus the LM head as it is stored (int8 per channel under --quantization; as
 benchmarks/quantization.py counts them).
 
-The batch-1 decode step is also split into the model's own work (the runner's forward and
-the LM head) and everything else the engine does per step (scheduling, building inputs,
-sampling, output processing and detokenizing): the per-step overhead, as a number. The
-figure itself is timed without the clocks the split needs; the split runs the per-op path (the
-native decoder layers of layers/decode_layer.py off: they call no module the clocks wrap).
+The decode step is also split twice, each time in a second run with clocks (the figure itself
+is timed without them). On the path it runs: the native decoder layers (layers/decode_layer.py's
+NativeDecodeStack calls), the LM head, and the rest (embedding, final norm, scheduling, building
+inputs, sampling, output processing and detokenizing: the engine's per-step work outside the
+model's kernels, as a number). On the per-op path (the native decoder layers off: they call no
+module the clocks wrap): linears, attention, the other model ops with their Python, and the
+engine's per-step overhead outside the model.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from vllm import LLM, SamplingParams
 from vllm.attention.layer import Attention
 from vllm.lora.layers import LinearWithLoRA
 from vllm.lora.request import LoRARequest
+from vllm.model_executor.layers.decode_layer import NativeDecodeStack
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.vocab_embedding import LMHead
 from vllm.platforms import cpu_has_native_bf16
@@ -83,29 +86,23 @@ INTERLEAVE_KV_BYTES = 256 << 20  # each engine's KV cache under --interleave (ba
 PARTS = {"linears": "linears + LM head", "attention": "attention (KV store + kernel)",
          "other model": "other model ops + Python (norms, rotary, activations)",
          "engine": "engine per-step overhead (schedule, inputs, sampling, outputs)"}
+# A decode step's parts on its own path, from NativeStepTimer.
+NATIVE_PARTS = {"layers": "native decoder layers (NativeDecodeStack calls: linears, attention, norms)",
+                "lm head": "LM head",
+                "rest": "the rest (embedding, final norm, schedule, inputs, sampling, outputs)"}
 
 
-class ModelTimer:
-    """Inside engine steps, where the model's time goes: `seconds["model"]` (the runner's forward
-    and the LM head's `compute_logits`), and within it `seconds["linears"]` (every Linear, with
-    its LoRA when on, and the LM head: the weight reads) and `seconds["attention"]` (the
-    Attention layers: KV store and kernel). Wraps them on the instances while entered (an
-    instance attribute shadows a method), timed with `clock`."""
+class StepClocks:
+    """Seconds per part of an engine step, summed by the clocks `_timed` puts around calls (the
+    device synchronized around each, timed with `clock`); `reset` zeroes them in place, as the
+    clocks hold the dict."""
 
-    def __init__(self, llm: LLM, device: str):
-        self.runner = llm.llm_engine.engine_core.runner
+    def __init__(self, device: str, parts: tuple[str, ...]):
         self.device = device
-        modules = list(self.runner.model.modules())
-        # With LoRA on, the wrapper is timed (base product and adapter together), not its base
-        # layer, which it calls without going through the module.
-        wrapped = {id(m.base_layer) for m in modules if isinstance(m, LinearWithLoRA)}
-        self._timed_modules = [(m, "linears") for m in modules
-                               if isinstance(m, (Linear, LMHead, LinearWithLoRA)) and id(m) not in wrapped]
-        self._timed_modules += [(m, "attention") for m in modules if isinstance(m, Attention)]
-        self.reset()
+        self.seconds = dict.fromkeys(parts, 0.0)
 
     def reset(self) -> None:
-        self.seconds = {"model": 0.0, "linears": 0.0, "attention": 0.0}
+        self.seconds.update(dict.fromkeys(self.seconds, 0.0))
 
     def _timed(self, fn, part: str):
         def call(*args, **kwargs):
@@ -117,6 +114,25 @@ class ModelTimer:
             return out
 
         return call
+
+
+class ModelTimer(StepClocks):
+    """Inside engine steps, where the model's time goes: `seconds["model"]` (the runner's forward
+    and the LM head's `compute_logits`), and within it `seconds["linears"]` (every Linear, with
+    its LoRA when on, and the LM head: the weight reads) and `seconds["attention"]` (the
+    Attention layers: KV store and kernel). Wraps them on the instances while entered (an
+    instance attribute shadows a method)."""
+
+    def __init__(self, llm: LLM, device: str):
+        super().__init__(device, ("model", "linears", "attention"))
+        self.runner = llm.llm_engine.engine_core.runner
+        modules = list(self.runner.model.modules())
+        # With LoRA on, the wrapper is timed (base product and adapter together), not its base
+        # layer, which it calls without going through the module.
+        wrapped = {id(m.base_layer) for m in modules if isinstance(m, LinearWithLoRA)}
+        self._timed_modules = [(m, "linears") for m in modules
+                               if isinstance(m, (Linear, LMHead, LinearWithLoRA)) and id(m) not in wrapped]
+        self._timed_modules += [(m, "attention") for m in modules if isinstance(m, Attention)]
 
     def __enter__(self) -> "ModelTimer":
         model = self.runner.model
@@ -139,6 +155,37 @@ class ModelTimer:
         for module, _ in self._timed_modules:
             del module.forward
 
+    def parts(self, step: float) -> dict[str, float]:
+        """A timed step's parts (PARTS' keys, plus "step")."""
+        parts = dict(self.seconds, engine=step - self.seconds["model"], step=step)
+        parts["other model"] = parts["model"] - parts["linears"] - parts["attention"]
+        return parts
+
+
+class NativeStepTimer(StepClocks):
+    """Inside engine steps on the path they run, where the time goes: `seconds["layers"]` (every
+    NativeDecodeStack call: a run of decoder layers in one native call) and `seconds["lm head"]` (the
+    model's compute_logits). The model calls a stack as `stack(...)`, which Python looks up on the
+    class, so the class's __call__ is wrapped while entered (and the model's compute_logits on the
+    instance)."""
+
+    def __init__(self, llm: LLM, device: str):
+        super().__init__(device, ("layers", "lm head"))
+        self.model = llm.llm_engine.engine_core.runner.model
+
+    def __enter__(self) -> "NativeStepTimer":
+        self._saved = (NativeDecodeStack.__call__, self.model.compute_logits)
+        NativeDecodeStack.__call__ = self._timed(NativeDecodeStack.__call__, "layers")
+        self.model.compute_logits = self._timed(self.model.compute_logits, "lm head")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        NativeDecodeStack.__call__, self.model.compute_logits = self._saved
+
+    def parts(self, step: float) -> dict[str, float]:
+        """A timed step's parts (NATIVE_PARTS' keys, plus "step")."""
+        return dict(self.seconds, rest=step - self.seconds["layers"] - self.seconds["lm head"], step=step)
+
 
 def median(values: list[float]) -> float:
     ordered = sorted(values)
@@ -146,11 +193,10 @@ def median(values: list[float]) -> float:
 
 
 def decode_step_seconds(llm: LLM, batch: int, context: int, device: str, lora_requests=None,
-                        split: Optional[dict[str, list[float]]] = None) -> float:
+                        split: Optional[dict[str, list[float]]] = None, timer=ModelTimer) -> float:
     """Median time (`clock`: wall unless --clock cpu) of a decode step with `batch` sequences of
-    `context` tokens. With `split`, each timed step's parts are appended to its lists:
-    ModelTimer's, "step", "engine" (the step minus the model) and "other model" (the model
-    minus linears and attention)."""
+    `context` tokens. With `split`, each timed step's parts (`timer(llm, device).parts`: ModelTimer's
+    or NativeStepTimer's, with "step") are appended to its lists."""
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -164,19 +210,17 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, device: str, lora_re
     while any(len(o.outputs[0].token_ids) == 0 for o in engine.step()) or _prefilling(engine):
         pass  # run the prefills (and the first token) before timing decode
     times = []
-    with ModelTimer(llm, device) if split is not None else nullcontext() as timer:
+    with timer(llm, device) if split is not None else nullcontext() as clocks:
         while engine.has_unfinished_requests():
-            if timer is not None:
-                timer.reset()
+            if clocks is not None:
+                clocks.reset()
             sync(device)
             start = clock()
             engine.step()
             sync(device)
             times.append(clock() - start)
-            if timer is not None:
-                parts = dict(timer.seconds, engine=times[-1] - timer.seconds["model"], step=times[-1])
-                parts["other model"] = parts["model"] - parts["linears"] - parts["attention"]
-                for part, seconds in parts.items():
+            if clocks is not None:
+                for part, seconds in clocks.parts(times[-1]).items():
                     split.setdefault(part, []).append(seconds)
     if not times:
         raise ValueError(f"no decode step left to time: a {context}-token context plus {params.max_tokens} new tokens "
@@ -272,21 +316,27 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
 
     if "decode" in args.figures:
         for batch in args.batches:
-            # The figure is timed bare; a second run times the parts on the per-op path (no native
+            # The figure is timed bare; then two more runs time its parts: on its own path (clocks
+            # around the native decoder layers and the LM head only), and on the per-op path (no native
             # decoder layers), with a clock around every linear and attention layer (about 150 per
             # SmolLM2 step), so its steps run longer: the difference is the Python those layers save.
             step = decode_step_seconds(llm, batch, args.decode_context, device)
             add(f"decode step, batch {batch} ({args.decode_context} ctx)", step, decode_floor(batch))
-            split: dict[str, list[float]] = {}
-            timed_step = decode_step_seconds(llm, batch, args.decode_context, device, split=split)
-            # The parts of the timed steps at or below their median (a step a neighbour preempted
-            # puts its delay in a random part): their means add up to those steps' mean.
-            calm = [i for i, t in enumerate(split["step"]) if t <= timed_step]
-            calm_step = sum(split["step"][i] for i in calm) / len(calm)
-            add("  the same step on the per-op path, timed part by part (the parts add up to it)", calm_step, None)
-            for part, what in PARTS.items():
-                seconds = sum(split[part][i] for i in calm) / len(calm)
-                add(f"  {what} ({100 * seconds / calm_step:.0f}%)", seconds, None)
+            for timer, title, parts in (
+                    (NativeStepTimer, "  the same step with clocks around its native layers and LM head", NATIVE_PARTS),
+                    (ModelTimer, "  the same step on the per-op path, timed part by part", PARTS)):
+                split: dict[str, list[float]] = {}
+                timed_step = decode_step_seconds(llm, batch, args.decode_context, device, split=split, timer=timer)
+                if timer is NativeStepTimer and not any(split["layers"]):
+                    continue  # no native decoder layers ran (no kernels, or not a CPU)
+                # The parts of the timed steps at or below their median (a step a neighbour preempted
+                # puts its delay in a random part): their means add up to those steps' mean.
+                calm = [i for i, t in enumerate(split["step"]) if t <= timed_step]
+                calm_step = sum(split["step"][i] for i in calm) / len(calm)
+                add(f"{title} (the parts add up to it)", calm_step, None)
+                for part, what in parts.items():
+                    seconds = sum(split[part][i] for i in calm) / len(calm)
+                    add(f"  {what} ({100 * seconds / calm_step:.0f}%)", seconds, None)
     tokenizer = llm.get_tokenizer()
     vocab = llm.llm_engine.model_config.vocab_size
     if "prefill" in args.figures:

@@ -82,20 +82,13 @@ FIGURES = ("decode", "prefill", "adapters")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = CLOCKS["wall"]
 INTERLEAVE_KV_BYTES = 256 << 20  # each engine's KV cache under --interleave (batch-1 decodes need little)
-# A decode step's parts, from ModelTimer.
-PARTS = {"linears": "linears + LM head", "attention": "attention (KV store + kernel)",
-         "other model": "other model ops + Python (norms, rotary, activations)",
-         "engine": "engine per-step overhead (schedule, inputs, sampling, outputs)"}
-# A decode step's parts on its own path, from NativeStepTimer.
-NATIVE_PARTS = {"layers": "native decoder layers (NativeDecodeStack calls: linears, attention, norms)",
-                "lm head": "LM head",
-                "rest": "the rest (embedding, final norm, schedule, inputs, sampling, outputs)"}
 
 
 class StepClocks:
     """Seconds per part of an engine step, summed by the clocks `_timed` puts around calls (the
     device synchronized around each, timed with `clock`); `reset` zeroes them in place, as the
-    clocks hold the dict."""
+    clocks hold the dict. A subclass's `parts(step)` gives a timed step's parts, and its `title` and
+    `labels` (a row name per part) the table's rows for them."""
 
     def __init__(self, device: str, parts: tuple[str, ...]):
         self.device = device
@@ -122,6 +115,11 @@ class ModelTimer(StepClocks):
     its LoRA when on, and the LM head: the weight reads) and `seconds["attention"]` (the
     Attention layers: KV store and kernel). Wraps them on the instances while entered (an
     instance attribute shadows a method)."""
+
+    title = "  the same step on the per-op path, timed part by part"
+    labels = {"linears": "linears + LM head", "attention": "attention (KV store + kernel)",
+              "other model": "other model ops + Python (norms, rotary, activations)",
+              "engine": "engine per-step overhead (schedule, inputs, sampling, outputs)"}
 
     def __init__(self, llm: LLM, device: str):
         super().__init__(device, ("model", "linears", "attention"))
@@ -156,7 +154,7 @@ class ModelTimer(StepClocks):
             del module.forward
 
     def parts(self, step: float) -> dict[str, float]:
-        """A timed step's parts (PARTS' keys, plus "step")."""
+        """A timed step's parts (`labels`' keys, plus "step")."""
         parts = dict(self.seconds, engine=step - self.seconds["model"], step=step)
         parts["other model"] = parts["model"] - parts["linears"] - parts["attention"]
         return parts
@@ -168,6 +166,11 @@ class NativeStepTimer(StepClocks):
     model's compute_logits). The model calls a stack as `stack(...)`, which Python looks up on the
     class, so the class's __call__ is wrapped while entered (and the model's compute_logits on the
     instance)."""
+
+    title = "  the same step with clocks around its native layers and LM head"
+    labels = {"layers": "native decoder layers (NativeDecodeStack calls: linears, attention, norms)",
+              "lm head": "LM head",
+              "rest": "the rest (embedding, final norm, schedule, inputs, sampling, outputs)"}
 
     def __init__(self, llm: LLM, device: str):
         super().__init__(device, ("layers", "lm head"))
@@ -183,7 +186,7 @@ class NativeStepTimer(StepClocks):
         NativeDecodeStack.__call__, self.model.compute_logits = self._saved
 
     def parts(self, step: float) -> dict[str, float]:
-        """A timed step's parts (NATIVE_PARTS' keys, plus "step")."""
+        """A timed step's parts (`labels`' keys, plus "step")."""
         return dict(self.seconds, rest=step - self.seconds["layers"] - self.seconds["lm head"], step=step)
 
 
@@ -322,9 +325,7 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
             # SmolLM2 step), so its steps run longer: the difference is the Python those layers save.
             step = decode_step_seconds(llm, batch, args.decode_context, device)
             add(f"decode step, batch {batch} ({args.decode_context} ctx)", step, decode_floor(batch))
-            for timer, title, parts in (
-                    (NativeStepTimer, "  the same step with clocks around its native layers and LM head", NATIVE_PARTS),
-                    (ModelTimer, "  the same step on the per-op path, timed part by part", PARTS)):
+            for timer in (NativeStepTimer, ModelTimer):
                 split: dict[str, list[float]] = {}
                 timed_step = decode_step_seconds(llm, batch, args.decode_context, device, split=split, timer=timer)
                 if timer is NativeStepTimer and not any(split["layers"]):
@@ -333,8 +334,8 @@ def run_precision(args, precision: Optional[str], model_dir: str, kwargs: dict, 
                 # puts its delay in a random part): their means add up to those steps' mean.
                 calm = [i for i, t in enumerate(split["step"]) if t <= timed_step]
                 calm_step = sum(split["step"][i] for i in calm) / len(calm)
-                add(f"{title} (the parts add up to it)", calm_step, None)
-                for part, what in parts.items():
+                add(f"{timer.title} (the parts add up to it)", calm_step, None)
+                for part, what in timer.labels.items():
                     seconds = sum(split[part][i] for i in calm) / len(calm)
                     add(f"  {what} ({100 * seconds / calm_step:.0f}%)", seconds, None)
     tokenizer = llm.get_tokenizer()

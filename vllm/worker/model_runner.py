@@ -220,11 +220,13 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A step input on the model's device: on the CPU the array's own memory, no copy and no
-        `.to` call (each call costs a few microseconds of a decode step, with caches cold)."""
-        tensor = torch.from_numpy(array)
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CPU step input on the model's device: on the CPU the tensor itself, no `.to` call (each
+        costs a few microseconds of a decode step, with caches cold)."""
         return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return self._on_device(torch.from_numpy(array))
 
     def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         return self._to_device(inputs.input_ids), self._to_device(inputs.positions)
@@ -232,17 +234,15 @@ class ModelRunner:
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         query_start_loc = torch.from_numpy(inputs.query_start_loc)
         seq_lens = torch.from_numpy(inputs.seq_lens)
-        on_cpu = self.device.type == "cpu"
-        num_seqs = len(inputs.seq_lens)
+        only_decodes = inputs.num_decodes == len(inputs.seq_lens)  # one token each: no pass over the starts
         return AttentionMetadata(
             num_actual_tokens=int(inputs.input_ids.shape[0]),
             num_decodes=inputs.num_decodes,
             slot_mapping=self._to_device(inputs.slot_mapping),
-            query_start_loc=query_start_loc if on_cpu else query_start_loc.to(self.device, non_blocking=True),
-            seq_lens=seq_lens if on_cpu else seq_lens.to(self.device, non_blocking=True),
+            query_start_loc=self._on_device(query_start_loc),
+            seq_lens=self._on_device(seq_lens),
             block_table=self._to_device(inputs.block_table),
-            # A step of decodes only (one token each) needs no pass over query_start_loc.
-            max_query_len=1 if inputs.num_decodes == num_seqs else int(np.diff(inputs.query_start_loc).max()),
+            max_query_len=1 if only_decodes else int(np.diff(inputs.query_start_loc).max()),
             max_seq_len=int(inputs.seq_lens.max()),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
